@@ -1,0 +1,38 @@
+# kvwatch — build, test and demo targets. `make demo` and `make test` work on a fresh
+# Debian 12 machine as root: they install what they need first (idempotent).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BPF_OBJ := agent/bpf/kvwatch.bpf.o
+BPF_SRC := $(wildcard bpf/*.c bpf/*.h)
+STAMP := $(VENV)/.kvwatch-installed
+
+.PHONY: setup bpf test demo bench lint clean
+
+setup: $(STAMP) $(BPF_OBJ)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+bpf: $(BPF_OBJ)
+
+$(BPF_OBJ): $(BPF_SRC) | $(STAMP)
+	$(MAKE) -C bpf OUT=$(abspath $@)
+
+test: setup
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/kvwatch demo
+
+bench: setup
+	$(PY) -m bench.run_all
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) $(BPF_OBJ) build *.egg-info

@@ -1,0 +1,104 @@
+"""The BPF collector: kernel records and edge events turned into `SocketSample`s."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvwatch.bpf.layout import EVENT_NAMES, KvEvent, KvSockRecord
+from kvwatch.bpf.loader import AttachReport, BpfPrograms, CollectorSettings
+from kvwatch.bpf.maps import EventRing, read_record, read_records, read_stats
+from kvwatch.sockets import Endpoint, SocketSample, Source
+
+SEQ_MODULO = 1 << 32
+
+
+def seq_distance(later: int, earlier: int) -> int:
+    """Bytes from `earlier` to `later` in 32-bit sequence space (0 if `later` is behind)."""
+    distance = (later - earlier) % SEQ_MODULO
+    return distance if distance < SEQ_MODULO // 2 else 0
+
+
+def record_to_sample(record: KvSockRecord, observed_ns: int) -> SocketSample:
+    return SocketSample(
+        key=record.sk,
+        source="bpf",
+        observed_ns=observed_ns,
+        local=Endpoint.from_packed(record.family, bytes(record.saddr), record.sport),
+        remote=Endpoint.from_packed(record.family, bytes(record.daddr), record.dport),
+        netns=record.netns,
+        inode=record.inode,
+        pid=record.tgid,
+        comm=record.comm.decode(errors="replace"),
+        tcp_state=record.tcp_state,
+        wmem_queued=record.wmem_queued,
+        sndbuf=record.sndbuf,
+        notsent_bytes=seq_distance(record.write_seq, record.snd_nxt),
+        unacked_bytes=seq_distance(record.snd_nxt, record.snd_una),
+        peer_rwnd=record.peer_rwnd,
+        srtt_us=record.srtt_us,
+        snd_cwnd=record.snd_cwnd,
+        retransmits=record.retransmits,
+        zero_window_probes=record.zero_window_probes,
+        zero_window_episodes=record.zero_window_episodes,
+        zero_window_since_ns=record.zero_window_since_ns,
+        zero_window_total_ns=record.zero_window_total_ns,
+        last_zero_window_end_ns=record.last_zero_window_end_ns,
+        sndbuf_full_episodes=record.sndbuf_full_episodes,
+        sndbuf_full_since_ns=record.sndbuf_full_since_ns,
+        progress_ns=record.progress_ns,
+        first_seen_ns=record.first_seen_ns,
+    )
+
+
+@dataclass(frozen=True)
+class SocketEvent:
+    """An edge seen in the kernel: its name, when, and the socket as of that edge."""
+
+    kind: str
+    ts_ns: int
+    sample: SocketSample
+
+    @classmethod
+    def from_raw(cls, event: KvEvent) -> SocketEvent:
+        kind = EVENT_NAMES.get(event.type, f"unknown_{event.type}")
+        return cls(kind, event.ts_ns, record_to_sample(event.record, event.ts_ns))
+
+
+class BpfCollector:
+    """Owns the loaded programs; reads their maps on demand. Close it to detach."""
+
+    source: Source = "bpf"
+
+    def __init__(self, settings: CollectorSettings, object_path: Path | None = None) -> None:
+        self.programs = BpfPrograms(settings, object_path)
+
+    @property
+    def report(self) -> AttachReport:
+        return self.programs.report
+
+    def samples(self) -> list[SocketSample]:
+        records = read_records(self.programs.sockets_fd)
+        now_ns = time.monotonic_ns()
+        return [record_to_sample(record, now_ns) for record in records]
+
+    def sample(self, key: int) -> SocketSample | None:
+        record = read_record(self.programs.sockets_fd, key)
+        return record_to_sample(record, time.monotonic_ns()) if record is not None else None
+
+    def stats(self, tracked: int | None = None) -> dict[str, int]:
+        """Kernel-side counters; `evictions` are records the LRU map dropped to make room."""
+        totals = read_stats(self.programs.stats_fd)
+        live = tracked if tracked is not None else len(read_records(self.programs.sockets_fd))
+        totals["tracked"] = live
+        removed = totals["records_created"] - totals["records_deleted"] - live
+        totals["evictions"] = max(0, removed)
+        return totals
+
+    def open_events(self, handler: Callable[[SocketEvent], None]) -> EventRing:
+        return EventRing(self.programs.events_fd, lambda raw: handler(SocketEvent.from_raw(raw)))
+
+    def close(self) -> None:
+        self.programs.close()

@@ -1,0 +1,221 @@
+"""Loads kvwatch's BPF object, chooses the send-path hook for this kernel and attaches it.
+
+The send path has three variants of one handler: fentry (BPF trampolines), kprobe, and the
+`sock:sock_send_length` raw tracepoint. `auto` tries them in that order; each try opens the
+object afresh with only that variant autoloaded, so a kernel that refuses one variant never
+poisons the next. The ACK path, lifecycle and retransmit hooks are raw tracepoints on every
+kernel; zero-window probes are counted only where fentry or kprobe attach.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvwatch.bpf.btf import datasec_offset
+from kvwatch.bpf.layout import MAX_FILTER_PORTS, KvSettings
+from kvwatch.bpf.libbpf import check_ptr, check_rc, libbpf
+from kvwatch.errors import BpfError, ConfigError
+
+log = logging.getLogger(__name__)
+
+SEND_MODES = ("fentry", "kprobe", "raw_tp")
+SEND_PROGRAMS = {"fentry": "kv_send_fentry", "kprobe": "kv_send_kprobe", "raw_tp": "kv_send_raw_tp"}
+PROBE0_PROGRAMS = {"fentry": "kv_probe0_fentry", "kprobe": "kv_probe0_kprobe"}
+RAW_TP_PROGRAMS = {"ack": "kv_segment", "lifecycle": "kv_state", "retransmit": "kv_retransmit"}
+DEFAULT_OBJECT = Path(__file__).with_name("kvwatch.bpf.o")
+
+
+@dataclass(frozen=True)
+class CollectorSettings:
+    """What to watch. Filters are applied in the kernel before any map work; empty = all."""
+
+    ports: tuple[int, ...] = ()
+    pid: int = 0
+    cgroup_id: int = 0
+    max_sockets: int = 16384
+    send_mode: str = "auto"
+
+    def validate(self) -> None:
+        if len(self.ports) > MAX_FILTER_PORTS:
+            raise ConfigError(
+                f"at most {MAX_FILTER_PORTS} ports can be filtered in the kernel",
+                "watch fewer ports, or none (all sockets) and filter the output",
+            )
+        if any(not 0 < port < 65536 for port in self.ports):
+            raise ConfigError(f"ports must be 1..65535, got {self.ports}", "fix --port")
+        if self.max_sockets < 1:
+            raise ConfigError("max_sockets must be at least 1", "fix --max-sockets")
+        if self.send_mode not in ("auto", *SEND_MODES):
+            raise ConfigError(
+                f"unknown send hook mode {self.send_mode!r}",
+                f"use one of auto, {', '.join(SEND_MODES)}",
+            )
+
+
+@dataclass
+class AttachReport:
+    """Which mode each hook got, and why the better send modes were refused."""
+
+    hooks: dict[str, str] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def send_mode(self) -> str:
+        return self.hooks["send"]
+
+    def describe(self) -> str:
+        parts = [f"{hook}={mode}" for hook, mode in self.hooks.items()]
+        text = "BPF hooks attached: " + ", ".join(parts)
+        if self.rejected:
+            reasons = "; ".join(f"{mode}: {why}" for mode, why in self.rejected.items())
+            text += f" (send path fell back: {reasons})"
+        return text
+
+
+def object_path() -> Path:
+    override = os.environ.get("KVWATCH_BPF_OBJECT")
+    path = Path(override) if override else DEFAULT_OBJECT
+    if not path.is_file():
+        raise BpfError(
+            f"the compiled BPF object is missing: {path}",
+            "build it with `make bpf` (needs clang and libbpf-dev), or reinstall kvwatch",
+        )
+    return path
+
+
+class _OpenObject:
+    """One bpf_object with a chosen send mode. Owns the object and its links until closed."""
+
+    def __init__(self, path: Path, settings: CollectorSettings, send_mode: str) -> None:
+        self.lib = libbpf()
+        self.handle = check_ptr(self.lib.bpf_object__open_file(str(path).encode(), None),
+                                f"open {path}")
+        self.links: list[int] = []
+        self.hooks: dict[str, str] = {}
+        try:
+            self._configure(settings, send_mode)
+            check_rc(self.lib.bpf_object__load(self.handle), f"load BPF programs ({send_mode})")
+            self._attach_all(send_mode)
+        except BaseException:
+            self.close()
+            raise
+
+    def program(self, name: str) -> int:
+        return check_ptr(self.lib.bpf_object__find_program_by_name(self.handle, name.encode()),
+                         f"find program {name}")
+
+    def map_handle(self, name: str) -> int:
+        return check_ptr(self.lib.bpf_object__find_map_by_name(self.handle, name.encode()),
+                         f"find map {name}")
+
+    def map_fd(self, name: str) -> int:
+        return check_rc(self.lib.bpf_map__fd(self.map_handle(name)), f"fd of map {name}")
+
+    def _configure(self, settings: CollectorSettings, send_mode: str) -> None:
+        wanted = {SEND_PROGRAMS[send_mode], *RAW_TP_PROGRAMS.values()}
+        if send_mode in PROBE0_PROGRAMS:
+            wanted.add(PROBE0_PROGRAMS[send_mode])
+        prog = self.lib.bpf_object__next_program(self.handle, None)
+        while prog:
+            name = self.lib.bpf_program__name(prog).decode()
+            check_rc(self.lib.bpf_program__set_autoload(prog, name in wanted), f"autoload {name}")
+            prog = self.lib.bpf_object__next_program(self.handle, prog)
+        check_rc(self.lib.bpf_map__set_max_entries(self.map_handle("kv_sockets"),
+                                                   settings.max_sockets), "size kv_sockets")
+        self._write_settings(settings)
+
+    def _write_settings(self, settings: CollectorSettings) -> None:
+        values = KvSettings(
+            filter_cgroup_id=settings.cgroup_id,
+            filter_tgid=settings.pid,
+            filter_port_count=len(settings.ports),
+        )
+        for index, port in enumerate(settings.ports):
+            values.filter_ports[index] = port
+        btf = check_ptr(self.lib.bpf_object__btf(self.handle), "read the object's BTF")
+        offset, size = datasec_offset(btf, ".rodata", "kv_settings")
+        if size != ctypes.sizeof(KvSettings):
+            raise BpfError("struct kv_settings differs between BPF and Python",
+                           "rebuild the BPF object with `make bpf`")
+        data_size = ctypes.c_size_t()
+        data = check_ptr(self.lib.bpf_map__initial_value(self.map_handle(".rodata"),
+                                                         ctypes.byref(data_size)),
+                         "map .rodata")
+        ctypes.memmove(data + offset, ctypes.addressof(values), size)
+
+    def _attach(self, hook: str, program: str, mode: str) -> None:
+        link = check_ptr(self.lib.bpf_program__attach(self.program(program)),
+                         f"attach {program} ({mode})")
+        self.links.append(link)
+        self.hooks[hook] = mode
+
+    def _attach_all(self, send_mode: str) -> None:
+        self._attach("send", SEND_PROGRAMS[send_mode], send_mode)
+        for hook, program in RAW_TP_PROGRAMS.items():
+            self._attach(hook, program, "raw_tp")
+        self.hooks["zero_window_probe"] = "unavailable"
+        if send_mode in PROBE0_PROGRAMS:
+            try:
+                self._attach("zero_window_probe", PROBE0_PROGRAMS[send_mode], send_mode)
+            except BpfError as exc:
+                log.info("zero-window probe hook not attached: %s", exc.message)
+
+    def close(self) -> None:
+        for link in self.links:
+            self.lib.bpf_link__destroy(link)
+        self.links.clear()
+        if self.handle:
+            self.lib.bpf_object__close(self.handle)
+            self.handle = 0
+
+
+class BpfPrograms:
+    """kvwatch's programs, loaded and attached; `close()` detaches and frees everything.
+
+    Invariant: while open, the send, ACK, lifecycle and retransmit hooks are attached and the
+    map fds are valid. Owned by one collector; not shared between threads that may close it.
+    """
+
+    def __init__(self, settings: CollectorSettings, path: Path | None = None) -> None:
+        settings.validate()
+        self.settings = settings
+        self.report = AttachReport()
+        self._object = self._load(path or object_path(), settings)
+        self.report.hooks = dict(self._object.hooks)
+        self.sockets_fd = self._object.map_fd("kv_sockets")
+        self.events_fd = self._object.map_fd("kv_events")
+        self.stats_fd = self._object.map_fd("kv_stats")
+        log.info("%s", self.report.describe())
+
+    def _load(self, path: Path, settings: CollectorSettings) -> _OpenObject:
+        modes = SEND_MODES if settings.send_mode == "auto" else (settings.send_mode,)
+        for mode in modes:
+            try:
+                return _OpenObject(path, settings, mode)
+            except BpfError as exc:
+                self.report.rejected[mode] = exc.message
+                log.debug("send mode %s refused: %s", mode, exc.message)
+        reasons = "; ".join(f"{mode}: {why}" for mode, why in self.report.rejected.items())
+        raise BpfError(f"no send-path hook could attach ({reasons})",
+                       "run `kvwatch doctor` to see what this kernel offers")
+
+    def program_fds(self) -> dict[str, int]:
+        """fd of each attached program, by hook name."""
+        names = {"send": SEND_PROGRAMS[self.report.send_mode], **RAW_TP_PROGRAMS}
+        if self.report.hooks.get("zero_window_probe", "unavailable") != "unavailable":
+            names["zero_window_probe"] = PROBE0_PROGRAMS[self.report.send_mode]
+        return {hook: self._object.lib.bpf_program__fd(self._object.program(program))
+                for hook, program in names.items()}
+
+    def close(self) -> None:
+        self._object.close()
+
+    def __enter__(self) -> BpfPrograms:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,49 @@
+"""The `kvwatch` command line: one click group, one module per command."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvwatch import __version__
+from kvwatch.errors import KvwatchError
+
+
+class KvwatchGroup(click.Group):
+    """Turns kvwatch errors into a one-line message and the contract's exit code."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except KvwatchError as exc:
+            click.secho(f"kvwatch: {exc.message}", fg="red", err=True)
+            if exc.hint:
+                click.echo(f"  what to do: {exc.hint}", err=True)
+            sys.exit(exc.exit_code)
+
+
+@click.group(cls=KvwatchGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvwatch")
+def main() -> None:
+    """Find streaming clients that pin KV cache in GPU memory, and free it.
+
+    \b
+    Common tasks:
+      kvwatch doctor            can this node run the agent? what is missing?
+      kvwatch sockets --port 8000
+                                per-socket send backpressure, live from the kernel
+      kvwatch demo              a stalled, a slow and an idle client, side by side
+
+    Exit codes: 0 ok, 1 runtime error, 2 usage error, 3 missing privilege or kernel feature.
+    """
+
+
+def _register() -> None:
+    from kvwatch.cli import demo_cmd, doctor_cmd, sockets_cmd
+
+    for module in (sockets_cmd, doctor_cmd, demo_cmd):
+        main.add_command(module.command)
+
+
+_register()

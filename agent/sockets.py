@@ -1,0 +1,111 @@
+"""The per-socket view every collector produces, whatever its source.
+
+A `SocketSample` is one TCP socket's send-side backpressure at one instant. The BPF collector
+fills it from kernel records; the sock_diag collector from netlink snapshots. Everything
+downstream (stream states, the join, policy, exporters) reads only this type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import socket
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Source = Literal["bpf", "inet_diag"]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One side of a TCP connection; `ip` is the textual address (no brackets)."""
+
+    ip: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
+
+    @classmethod
+    def from_packed(cls, family: int, packed: bytes, port: int) -> Endpoint:
+        """Builds an endpoint from a raw in_addr / in6_addr (IPv4-mapped v6 shown as v4)."""
+        if family == socket.AF_INET:
+            return cls(socket.inet_ntop(socket.AF_INET, packed[:4]), port)
+        address = ipaddress.IPv6Address(packed[:16])
+        mapped = address.ipv4_mapped
+        return cls(str(mapped) if mapped is not None else str(address), port)
+
+    @classmethod
+    def parse(cls, text: str) -> Endpoint:
+        """Parses "ip:port" or "[ipv6]:port"; raises ValueError on anything else."""
+        host, sep, port = text.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"not an ip:port endpoint: {text!r}")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        return cls(str(ipaddress.ip_address(host)), int(port))
+
+
+@dataclass(frozen=True)
+class SocketSample:
+    """One TCP socket's send-side state at `observed_ns` (CLOCK_MONOTONIC nanoseconds).
+
+    Counters are cumulative since the socket was first seen; `*_since_ns` are the start of the
+    current episode or 0 when none is open. `progress_ns` is the last time the ACK point moved
+    or data became pending on an idle socket: "no progress" is measured from it.
+    """
+
+    key: int
+    source: Source
+    observed_ns: int
+    local: Endpoint
+    remote: Endpoint
+    netns: int
+    inode: int
+    pid: int
+    comm: str
+    tcp_state: int
+    wmem_queued: int
+    sndbuf: int
+    notsent_bytes: int
+    unacked_bytes: int
+    peer_rwnd: int
+    srtt_us: int
+    snd_cwnd: int
+    retransmits: int
+    zero_window_probes: int
+    zero_window_episodes: int
+    zero_window_since_ns: int
+    zero_window_total_ns: int
+    last_zero_window_end_ns: int
+    sndbuf_full_episodes: int
+    sndbuf_full_since_ns: int
+    progress_ns: int
+    first_seen_ns: int
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes the application wrote that the peer has not acknowledged."""
+        return self.notsent_bytes + self.unacked_bytes
+
+    @property
+    def zero_window(self) -> bool:
+        return self.zero_window_since_ns != 0
+
+    @property
+    def sndbuf_full(self) -> bool:
+        return self.sndbuf_full_since_ns != 0
+
+    @property
+    def sndbuf_fill(self) -> float:
+        """Send-queue fill as a fraction of the send buffer (0 when the buffer size is unknown)."""
+        return self.wmem_queued / self.sndbuf if self.sndbuf > 0 else 0.0
+
+    def seconds_since(self, since_ns: int, now_ns: int) -> float:
+        return max(0.0, (now_ns - since_ns) / 1e9) if since_ns else 0.0
+
+    def no_progress_seconds(self, now_ns: int) -> float:
+        """How long data has been pending without the ACK point moving (0 when nothing pends)."""
+        return self.seconds_since(self.progress_ns, now_ns) if self.pending_bytes > 0 else 0.0
+
+    def with_changes(self, **changes: Any) -> SocketSample:
+        return dataclasses.replace(self, **changes)

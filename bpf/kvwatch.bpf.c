@@ -1,0 +1,126 @@
+// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+/*
+ * kvwatch: per-socket send backpressure (CO-RE build for libbpf).
+ * The logic lives in kvwatch_socket.h; this file holds the maps, the load-time settings and
+ * thin hook wrappers. The send path has three variants (fentry, kprobe, sock_send_length raw
+ * tracepoint); userspace autoloads exactly one of them.
+ */
+#include <linux/types.h>
+#include <linux/bpf.h>
+#include <linux/in6.h>
+#include <asm/ptrace.h>
+#include <stdbool.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
+#include <bpf/bpf_tracing.h>
+#include <bpf/bpf_endian.h>
+#include "kvwatch_types.h"
+#include "kvwatch.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, KV_DEFAULT_MAX_SOCKETS);
+	__type(key, __u64);
+	__type(value, struct kv_sock_record);
+} kv_sockets SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, KV_EVENTS_BYTES);
+} kv_events SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, KV_STAT_COUNT);
+	__type(key, __u32);
+	__type(value, __u64);
+} kv_stats SEC(".maps");
+
+const volatile struct kv_settings kv_settings = {};
+
+/* Typed, never written: keeps struct kv_event in the object's BTF for the layout check. */
+const volatile struct kv_event kv_event_layout = {};
+
+static __always_inline void kv_stat_add(__u32 index)
+{
+	__u64 *value = bpf_map_lookup_elem(&kv_stats, &index);
+
+	if (value)
+		*value += 1;
+}
+
+#define KV_READ(dst, ptr, field) BPF_CORE_READ_INTO(dst, ptr, field)
+#define KV_READ_BITFIELD(ptr, field) BPF_CORE_READ_BITFIELD_PROBED(ptr, field)
+#define KV_SETTING(name) (kv_settings.name)
+#define KV_SOCKETS_LOOKUP(key) bpf_map_lookup_elem(&kv_sockets, key)
+#define KV_SOCKETS_INSERT(key, rec) bpf_map_update_elem(&kv_sockets, key, rec, BPF_NOEXIST)
+#define KV_SOCKETS_DELETE(key) bpf_map_delete_elem(&kv_sockets, key)
+#define KV_EVENT_RESERVE() bpf_ringbuf_reserve(&kv_events, sizeof(struct kv_event), 0)
+#define KV_EVENT_SUBMIT(ev) bpf_ringbuf_submit(ev, 0)
+#define KV_STAT_ADD(index) kv_stat_add(index)
+
+#include "kvwatch_socket.h"
+
+/* Send path, variant 1: fentry (BPF trampoline). */
+SEC("fentry/tcp_sendmsg")
+int BPF_PROG(kv_send_fentry, struct sock *sk, void *msg, __u64 size)
+{
+	return kv_on_send(sk, size, true);
+}
+
+/* Send path, variant 2: kprobe. */
+SEC("kprobe/tcp_sendmsg")
+int BPF_KPROBE(kv_send_kprobe, struct sock *sk, void *msg, __u64 size)
+{
+	return kv_on_send(sk, size, true);
+}
+
+/* Send path, variant 3: sock_send_length(sk, ret, flags), after the write, any socket type. */
+SEC("raw_tp/sock_send_length")
+int kv_send_raw_tp(struct bpf_raw_tracepoint_args *ctx)
+{
+	struct sock *sk = (struct sock *)ctx->args[0];
+	unsigned short family = 0;
+
+	BPF_CORE_READ_INTO(&family, sk, __sk_common.skc_family);
+	if ((family != KV_AF_INET && family != KV_AF_INET6) ||
+	    BPF_CORE_READ_BITFIELD_PROBED(sk, sk_protocol) != KV_IPPROTO_TCP)
+		return 0;
+	return kv_on_send(sk, (int)ctx->args[1], false);
+}
+
+/* ACK path: tcp_probe(sk, skb) at the entry of tcp_rcv_established. */
+SEC("raw_tp/tcp_probe")
+int kv_segment(struct bpf_raw_tracepoint_args *ctx)
+{
+	return kv_on_segment((struct sock *)ctx->args[0], (struct sk_buff *)ctx->args[1]);
+}
+
+/* Lifecycle: inet_sock_set_state(sk, oldstate, newstate). */
+SEC("raw_tp/inet_sock_set_state")
+int kv_state(struct bpf_raw_tracepoint_args *ctx)
+{
+	return kv_on_state((struct sock *)ctx->args[0], (int)ctx->args[2]);
+}
+
+/* Retransmits: tcp_retransmit_skb(sk, skb[, err]). */
+SEC("raw_tp/tcp_retransmit_skb")
+int kv_retransmit(struct bpf_raw_tracepoint_args *ctx)
+{
+	return kv_on_retransmit((struct sock *)ctx->args[0]);
+}
+
+/* Zero-window probes: only where the send path got fentry or kprobe. */
+SEC("fentry/tcp_send_probe0")
+int BPF_PROG(kv_probe0_fentry, struct sock *sk)
+{
+	return kv_on_zero_window_probe(sk);
+}
+
+SEC("kprobe/tcp_send_probe0")
+int BPF_KPROBE(kv_probe0_kprobe, struct sock *sk)
+{
+	return kv_on_zero_window_probe(sk);
+}

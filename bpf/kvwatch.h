@@ -1,0 +1,89 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * Structs shared by the BPF programs and kvwatch's Python mirror (kvwatch/bpf/layout.py).
+ * Fixed-width types, largest first, no hidden padding: tests check the Python mirror against
+ * the BTF of the compiled object. Change both sides together.
+ */
+#ifndef KVWATCH_H
+#define KVWATCH_H
+
+#define KV_MAX_FILTER_PORTS 16
+#define KV_COMM_LEN 16
+#define KV_DEFAULT_MAX_SOCKETS 16384
+#define KV_EVENTS_BYTES (256 * 1024)
+
+/* Edge events sent over the ring buffer. */
+enum kv_event_type {
+	KV_EVENT_ZERO_WINDOW_START = 1,
+	KV_EVENT_ZERO_WINDOW_END = 2,
+	KV_EVENT_SNDBUF_FULL_START = 3,
+	KV_EVENT_SNDBUF_FULL_END = 4,
+	KV_EVENT_CLOSE = 5,
+};
+
+/* Indexes of the per-CPU counters in the kv_stats map. */
+enum kv_stat {
+	KV_STAT_EVENTS_SENT = 0,
+	KV_STAT_EVENTS_DROPPED = 1,
+	KV_STAT_RECORDS_CREATED = 2,
+	KV_STAT_RECORDS_DELETED = 3,
+	KV_STAT_RECORDS_FAILED = 4,
+	KV_STAT_COUNT = 5,
+};
+
+/* One tracked TCP socket. Counters are cumulative; *_since_ns is 0 when no episode is open. */
+struct kv_sock_record {
+	__u64 sk;			/* kernel address of struct sock (the map key) */
+	__u64 first_seen_ns;		/* CLOCK_MONOTONIC, like every *_ns field */
+	__u64 last_send_ns;
+	__u64 last_ack_ns;
+	__u64 progress_ns;		/* ACK point moved, or data became pending on an idle socket */
+	__u64 zero_window_since_ns;
+	__u64 zero_window_total_ns;	/* closed episodes only */
+	__u64 last_zero_window_end_ns;
+	__u64 sndbuf_full_since_ns;
+	__u64 sndbuf_full_total_ns;	/* closed episodes only */
+	__u64 send_bytes;
+	__u64 send_calls;
+	__u64 acks;
+	__u64 inode;			/* socket inode: joins /proc/<pid>/fd and sock_diag */
+	__u32 netns;			/* network namespace inode */
+	__u32 tgid;			/* last process that sent on it; 0 until one does */
+	__u32 snd_una;
+	__u32 snd_nxt;
+	__u32 write_seq;
+	__u32 peer_rwnd;		/* peer's receive window in bytes, as of the newest ACK */
+	__u32 srtt_us;
+	__u32 snd_cwnd;
+	__u32 wmem_queued;
+	__u32 sndbuf;
+	__u32 retransmits;
+	__u32 zero_window_probes;
+	__u32 zero_window_episodes;
+	__u32 sndbuf_full_episodes;
+	__u8 saddr[16];			/* IPv4 in the first 4 bytes */
+	__u8 daddr[16];
+	__u16 sport;			/* host byte order */
+	__u16 dport;			/* host byte order */
+	__u16 family;
+	__u8 tcp_state;
+	__u8 reserved;
+	char comm[KV_COMM_LEN];
+};
+
+struct kv_event {
+	__u64 ts_ns;
+	__u32 type;			/* enum kv_event_type */
+	__u32 reserved;
+	struct kv_sock_record record;	/* the socket as of the edge */
+};
+
+/* Load-time settings (read-only data). Zero means "off" for every filter. */
+struct kv_settings {
+	__u64 filter_cgroup_id;
+	__u32 filter_tgid;
+	__u32 filter_port_count;
+	__u16 filter_ports[KV_MAX_FILTER_PORTS];
+};
+
+#endif /* KVWATCH_H */

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs kvwatch's build and test dependencies and its virtualenv. Idempotent: packages
+# already present are not fetched again. Run as root on Debian/Ubuntu (make setup does).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(clang llvm libbpf-dev libbpf1 bpftool iproute2 tmux procps)
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup: missing Debian packages: ${missing[*]}; run as root or install them first" >&2
+    exit 3
+  fi
+  echo "setup: installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+VENV=${VENV:-.venv}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip
+# The CPU build of torch first: a bare torch requirement would pull a multi-GB CUDA build.
+"$VENV/bin/pip" install -q "torch==2.13.0"
+"$VENV/bin/pip" install -q -e ".[engine,dev]"

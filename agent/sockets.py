@@ -103,6 +103,10 @@ class SocketSample:
     def seconds_since(self, since_ns: int, now_ns: int) -> float:
         return max(0.0, (now_ns - since_ns) / 1e9) if since_ns else 0.0
 
+    def zero_window_seconds(self, now_ns: int) -> float:
+        """Length of the current zero-window episode (0 when the window is open)."""
+        return self.seconds_since(self.zero_window_since_ns, now_ns)
+
     def no_progress_seconds(self, now_ns: int) -> float:
         """How long data has been pending without the ACK point moving (0 when nothing pends)."""
         return self.seconds_since(self.progress_ns, now_ns) if self.pending_bytes > 0 else 0.0

@@ -184,7 +184,11 @@ def check_rc(rc: int, what: str) -> int:
     return rc
 
 
+def privilege_hint() -> str:
+    return "run as root, or grant CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN (`kvwatch doctor`)"
+
+
 def _hint(code: int = 0) -> str:
     if os.geteuid() != 0 or code in (errno.EPERM, errno.EACCES):
-        return "run as root or grant CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN; `kvwatch doctor`"
+        return privilege_hint()
     return "`kvwatch doctor` lists what this kernel supports; -v shows libbpf's log"

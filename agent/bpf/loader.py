@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvwatch.bpf.btf import datasec_offset
 from kvwatch.bpf.layout import MAX_FILTER_PORTS, KvSettings
-from kvwatch.bpf.libbpf import check_ptr, check_rc, libbpf
+from kvwatch.bpf.libbpf import check_ptr, check_rc, libbpf, privilege_hint
 from kvwatch.errors import BpfError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -200,6 +200,11 @@ class BpfPrograms:
                 self.report.rejected[mode] = exc.message
                 log.debug("send mode %s refused: %s", mode, exc.message)
         reasons = "; ".join(f"{mode}: {why}" for mode, why in self.report.rejected.items())
+        if "EPERM" in self.report.rejected.get("raw_tp", ""):
+            raise BpfError(f"not allowed to load BPF programs ({reasons})", privilege_hint())
+        if len(modes) == 1:
+            raise BpfError(f"send hook {modes[0]} is unavailable: {reasons.split(': ', 1)[1]}",
+                           "try --send-hook auto, or see `kvwatch doctor`")
         raise BpfError(f"no send-path hook could attach ({reasons})",
                        "run `kvwatch doctor` to see what this kernel offers")
 

@@ -1,0 +1,44 @@
+"""`kvwatch doctor`: what this node offers kvwatch, and what to do about what it lacks."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvwatch.doctor import checks_json, node_can_run_agent, run_checks
+from kvwatch.errors import EXIT_PRIVILEGE
+
+STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "dim"}
+
+
+@click.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@click.option("--path.procfs", "procfs_root", default="/proc", show_default=True,
+              help="Where the host's /proc is mounted.")
+def command(as_json: bool, procfs_root: str) -> None:
+    """Check this node: privileges, BTF, tracefs, libbpf, and which mode each BPF hook gets.
+
+    Every hook mode is tried for real (loaded, attached, detached). A failing line says how
+    to fix it. Exit code 3 when the node cannot run the agent's BPF collector.
+    """
+    checks = run_checks(procfs_root)
+    if as_json:
+        click.echo(json.dumps(checks_json(checks), indent=2))
+    else:
+        table = Table(box=None, pad_edge=False, show_header=False)
+        table.add_column(no_wrap=True)
+        table.add_column(no_wrap=True)
+        table.add_column()
+        for check in checks:
+            detail = check.detail + (f"\n→ {check.fix}" if check.fix and
+                                     check.status in ("fail", "warn") else "")
+            table.add_row(Text(check.status.upper(), style=STATUS_STYLES[check.status]),
+                          check.name, detail)
+        Console().print(table)
+    if not node_can_run_agent(checks):
+        sys.exit(EXIT_PRIVILEGE)

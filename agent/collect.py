@@ -1,0 +1,124 @@
+"""Chooses and runs a socket collector: BPF (CO-RE) when the node allows it, else sock_diag.
+
+Sockets that existed before the BPF programs attached are invisible to them until their next
+send or ACK; a sock_diag snapshot fills that gap at start-up. `MergedCollector` shows the
+diag view of such sockets until BPF has its own record of them, then polls diag no more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from kvwatch.bpf.collector import BpfCollector
+from kvwatch.bpf.loader import AttachReport, CollectorSettings
+from kvwatch.diag.snapshot import DiagClient, current_netns
+from kvwatch.diag.tracker import DiagTracker
+from kvwatch.errors import ConfigError, KvwatchError
+from kvwatch.procfs import Procfs, SocketOwners
+from kvwatch.sockets import Endpoint, SocketSample
+
+Backend = Literal["auto", "core", "diag"]
+BACKENDS: tuple[Backend, ...] = ("auto", "core", "diag")
+ConnectionKey = tuple[int, Endpoint, Endpoint]
+
+
+class SocketCollector(Protocol):
+    def samples(self) -> list[SocketSample]: ...
+
+    def close(self) -> None: ...
+
+
+class DiagCollector:
+    """sock_diag polling: the degraded collector (no BPF) and the start-up bootstrap."""
+
+    def __init__(self, settings: CollectorSettings, owners: SocketOwners) -> None:
+        self.ports = settings.ports
+        self.pid = settings.pid
+        self.client = DiagClient()
+        self.tracker = DiagTracker(owners)
+
+    def samples(self) -> list[SocketSample]:
+        found = self.tracker.update(self.client.snapshot(self.ports))
+        return [s for s in found if not self.pid or s.pid == self.pid]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def connection_key(sample: SocketSample) -> ConnectionKey:
+    return (sample.netns, sample.local, sample.remote)
+
+
+class MergedCollector:
+    """BPF records first; diag's view for pre-existing sockets BPF has not seen yet.
+
+    Owns both collectors. Invariant: diag is polled only while some bootstrapped socket is
+    still unknown to BPF, so a long-running agent pays for one netlink dump at start-up.
+    """
+
+    def __init__(self, bpf: BpfCollector, diag: DiagCollector, owners: SocketOwners) -> None:
+        self.bpf = bpf
+        self.diag: DiagCollector | None = diag
+        self.owners = owners
+        self.netns = current_netns()
+
+    @property
+    def report(self) -> AttachReport:
+        return self.bpf.report
+
+    def samples(self) -> list[SocketSample]:
+        found = [self._with_owner(sample) for sample in self.bpf.samples()]
+        if self.diag is None:
+            return found
+        known = {connection_key(sample) for sample in found}
+        waiting = [s for s in self.diag.samples() if connection_key(s) not in known]
+        if not waiting:
+            self.diag.close()
+            self.diag = None
+        return found + waiting
+
+    def _with_owner(self, sample: SocketSample) -> SocketSample:
+        """BPF learns the owner at the first send; before that, /proc tells it by inode."""
+        if sample.pid or not sample.inode or sample.netns != self.netns:
+            return sample
+        pid = self.owners.resolve([sample.inode]).get(sample.inode)
+        if pid is None:
+            return sample
+        comm = self.owners.procfs.comm(pid) or ""
+        return sample.with_changes(pid=pid, comm=comm)
+
+    def close(self) -> None:
+        self.bpf.close()
+        if self.diag is not None:
+            self.diag.close()
+
+
+@dataclass
+class OpenedCollector:
+    """The collector in use and a sentence on why this one, for the operator."""
+
+    collector: SocketCollector
+    backend: str
+    note: str
+
+
+def open_collector(settings: CollectorSettings, backend: str = "auto",
+                   procfs_root: str = "/proc") -> OpenedCollector:
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
+    settings.validate()
+    owners = SocketOwners(Procfs(procfs_root))
+    if backend == "diag":
+        return OpenedCollector(DiagCollector(settings, owners), "diag",
+                               "sock_diag polling, as asked (--backend diag)")
+    try:
+        bpf = BpfCollector(settings)
+    except KvwatchError as exc:
+        if backend == "core":
+            raise
+        note = (f"BPF unavailable ({exc.message}); falling back to sock_diag polling: "
+                f"no edge events, episodes at poll resolution. To fix: {exc.hint}")
+        return OpenedCollector(DiagCollector(settings, owners), "diag", note)
+    merged = MergedCollector(bpf, DiagCollector(settings, owners), owners)
+    return OpenedCollector(merged, "core", bpf.report.describe())

@@ -1,0 +1,84 @@
+"""How sockets are shown: the JSON contract of DESIGN.md and the table people read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from kvwatch.sockets import SocketSample
+from kvwatch.states import StatePolicy, StreamState, classify
+
+STATE_STYLES = {
+    StreamState.HEALTHY: "green",
+    StreamState.SLOW: "yellow",
+    StreamState.ZERO_WINDOW: "magenta",
+    StreamState.STALLED: "bold red",
+    StreamState.CANCELLED: "cyan",
+    StreamState.CLOSED: "dim",
+}
+
+
+def socket_json(sample: SocketSample, now_ns: int, policy: StatePolicy) -> dict[str, Any]:
+    """One socket as the `kvwatch sockets --json` contract spells it (plus a few extras)."""
+    return {
+        "local": str(sample.local),
+        "remote": str(sample.remote),
+        "pid": sample.pid,
+        "comm": sample.comm,
+        "state": classify(sample, now_ns, policy).value,
+        "wmem_queued": sample.wmem_queued,
+        "sndbuf": sample.sndbuf,
+        "notsent_bytes": sample.notsent_bytes,
+        "unacked_bytes": sample.unacked_bytes,
+        "peer_rwnd": sample.peer_rwnd,
+        "srtt_us": sample.srtt_us,
+        "retransmits": sample.retransmits,
+        "zero_window": sample.zero_window,
+        "zero_window_episodes": sample.zero_window_episodes,
+        "zero_window_seconds": round(sample.zero_window_seconds(now_ns), 3),
+        "sndbuf_full": sample.sndbuf_full,
+        "no_progress_seconds": round(sample.no_progress_seconds(now_ns), 3),
+        "source": sample.source,
+        "snd_cwnd": sample.snd_cwnd,
+        "zero_window_probes": sample.zero_window_probes,
+        "zero_window_total_seconds": round(sample.zero_window_total_ns / 1e9, 3),
+        "sndbuf_full_episodes": sample.sndbuf_full_episodes,
+        "netns": sample.netns,
+        "inode": sample.inode,
+    }
+
+
+def human_bytes(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "K", "M", "G"):
+        if abs(value) < 1024 or unit == "G":
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{value:.1f}G"
+
+
+def sockets_table(samples: list[SocketSample], now_ns: int, policy: StatePolicy) -> Table:
+    """Fits 80 columns: the local side shows only its port (the server's, usually); ZW is
+    the current zero-window episode and STUCK the time without ACK progress, in seconds."""
+    table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
+    for header, justify in (("PID/COMM", "left"), ("CONNECTION", "left"), ("STATE", "left"),
+                            ("FILL", "right"), ("RWND", "right"), ("ZW", "right"),
+                            ("PEND", "right"), ("STUCK", "right")):
+        table.add_column(header, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for sample in sorted(samples, key=lambda s: -s.no_progress_seconds(now_ns)):
+        state = classify(sample, now_ns, policy)
+        owner = f"{sample.pid}/{sample.comm}" if sample.pid else "-"
+        rwnd = human_bytes(sample.peer_rwnd) if sample.peer_rwnd >= 0 else "?"
+        table.add_row(
+            owner[:12],
+            f":{sample.local.port} → {sample.remote}",
+            Text(state.value, style=STATE_STYLES[state]),
+            f"{sample.sndbuf_fill:.0%}",
+            rwnd,
+            f"{sample.zero_window_seconds(now_ns):.1f}",
+            human_bytes(sample.pending_bytes),
+            f"{sample.no_progress_seconds(now_ns):.1f}",
+        )
+    return table

@@ -1,0 +1,72 @@
+"""Fixtures for tests that load the real BPF programs against real loopback sockets."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import pytest
+
+from kvwatch.bpf.collector import BpfCollector, SocketEvent
+from kvwatch.bpf.loader import CollectorSettings
+from kvwatch.scenario import Scenario
+from kvwatch.sockets import SocketSample
+
+T = TypeVar("T")
+
+
+def wait_for(produce: Callable[[], T | None], timeout_seconds: float, what: str) -> T:
+    """Polls `produce` every 20 ms until it returns something truthy."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        value = produce()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_seconds}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def server_side(collector: BpfCollector, client_port: int) -> SocketSample | None:
+    """The server socket whose peer is the client on `client_port`, if tracked."""
+    for sample in collector.samples():
+        if sample.remote.port == client_port:
+            return sample
+    return None
+
+
+@pytest.fixture
+def scenario() -> Iterator[Scenario]:
+    with Scenario() as running:
+        yield running
+
+
+@pytest.fixture
+def open_collector() -> Iterator[Callable[..., BpfCollector]]:
+    """Builds collectors with the given settings and closes every one at teardown."""
+    opened: list[BpfCollector] = []
+
+    def build(**settings: object) -> BpfCollector:
+        collector = BpfCollector(CollectorSettings(**settings))  # type: ignore[arg-type]
+        opened.append(collector)
+        return collector
+
+    yield build
+    for collector in opened:
+        collector.close()
+
+
+class EventLog:
+    """Edge events received so far, drained from the ring buffer on demand."""
+
+    def __init__(self, collector: BpfCollector) -> None:
+        self.events: list[SocketEvent] = []
+        self.ring = collector.open_events(self.events.append)
+
+    def drain(self) -> list[SocketEvent]:
+        self.ring.poll(0)
+        return self.events
+
+    def kinds_for(self, client_port: int) -> list[str]:
+        return [e.kind for e in self.drain() if e.sample.remote.port == client_port]

@@ -1,0 +1,84 @@
+"""Records follow sockets: created on connect, removed with a close event, IPv6 included; many
+sockets tracked at once, and a map too small for the load evicts and counts instead of failing."""
+
+from __future__ import annotations
+
+import resource
+import socket
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvwatch.bpf.collector import BpfCollector
+from kvwatch.scenario import Scenario
+from tests.bpf.conftest import EventLog, server_side, wait_for
+
+pytestmark = pytest.mark.bpf
+
+
+def test_close_removes_the_record_and_emits_a_close_event(
+        scenario: Scenario, open_collector: Callable[..., BpfCollector]) -> None:
+    collector = open_collector(ports=(scenario.port,))
+    events = EventLog(collector)
+    client = scenario.connect("healthy")
+    wait_for(lambda: server_side(collector, client.local_port), 1.0, "the record")
+
+    client.stop.set()
+    client.sock.close()
+    closed = wait_for(lambda: next((e for e in events.drain() if e.kind == "close"
+                                    and e.sample.remote.port == client.local_port), None),
+                      2.0, "a close event")
+    assert closed.sample.tcp_state == 7  # TCP_CLOSE
+    assert closed.sample.local.port == scenario.port
+    assert server_side(collector, client.local_port) is None
+    stats = collector.stats()
+    assert stats["records_deleted"] >= 1
+    assert stats["evictions"] == 0
+
+
+def test_ipv6_loopback(open_collector: Callable[..., BpfCollector]) -> None:
+    with Scenario(family=socket.AF_INET6) as scenario:
+        collector = open_collector(ports=(scenario.port,))
+        client = scenario.connect("stalled")
+        sample = wait_for(lambda: (s := server_side(collector, client.local_port))
+                          and s.zero_window and s, 1.0, "an IPv6 zero window")
+        assert str(sample.local) == f"[::1]:{scenario.port}"
+        assert str(sample.remote) == f"[::1]:{client.local_port}"
+
+
+@pytest.fixture
+def many_fds() -> Iterator[None]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 16384), max(hard, 16384)))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def connect_idle(scenario: Scenario, count: int) -> None:
+    for _ in range(count):
+        scenario.connect("idle")
+    scenario.wait_for_server_sockets(count, timeout_seconds=30)
+
+
+@pytest.mark.slow
+def test_two_thousand_concurrent_sockets_are_all_tracked(
+        many_fds: None, scenario: Scenario,
+        open_collector: Callable[..., BpfCollector]) -> None:
+    collector = open_collector(ports=(scenario.port,))
+    connect_idle(scenario, 2000)
+    tracked = wait_for(lambda: (n := len(collector.samples())) >= 2000 and n, 5.0,
+                       "2,000 tracked sockets")
+    assert tracked == 2000
+    assert collector.stats()["evictions"] == 0
+
+
+@pytest.mark.slow
+def test_a_map_too_small_evicts_and_counts(
+        many_fds: None, scenario: Scenario,
+        open_collector: Callable[..., BpfCollector]) -> None:
+    collector = open_collector(ports=(scenario.port,), max_sockets=128)
+    connect_idle(scenario, 400)
+    stats = collector.stats()
+    assert stats["tracked"] <= 128
+    assert stats["evictions"] >= 400 - 128
+    assert stats["records_failed"] == 0

@@ -1,0 +1,34 @@
+"""Suite-wide rules. BPF tests (marker `bpf`) need root, kernel BTF and the compiled object;
+where they cannot run they skip — unless KVWATCH_REQUIRE_BPF=1 (CI), where they fail."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvwatch.bpf.loader import DEFAULT_OBJECT
+
+REQUIRE_BPF_ENV = "KVWATCH_REQUIRE_BPF"
+
+
+def bpf_unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "not running as root"
+    if not Path("/sys/kernel/btf/vmlinux").exists():
+        return "the kernel exposes no BTF (/sys/kernel/btf/vmlinux)"
+    if not DEFAULT_OBJECT.is_file():
+        return f"the BPF object is not built ({DEFAULT_OBJECT}); run `make bpf`"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("bpf") is None:
+        return
+    reason = bpf_unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get(REQUIRE_BPF_ENV) == "1":
+        pytest.fail(f"BPF test cannot run: {reason} ({REQUIRE_BPF_ENV}=1 forbids skipping)")
+    pytest.skip(reason)

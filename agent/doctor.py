@@ -42,25 +42,33 @@ def check_privileges(procfs_root: str) -> Check:
     detail = f"{who}; effective: {', '.join(sorted(held)) or 'none'}"
     if enough:
         return Check("privileges", "ok", detail)
-    return Check("privileges", "fail", detail,
-                 "run as root, or grant CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN")
+    return Check(
+        "privileges", "fail", detail, "run as root, or grant CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN"
+    )
 
 
 def check_btf() -> Check:
     if BTF_PATH.exists():
         return Check("kernel BTF", "ok", str(BTF_PATH))
-    return Check("kernel BTF", "fail", f"{BTF_PATH} is missing",
-                 "use a kernel built with CONFIG_DEBUG_INFO_BTF=y, or the BCC backend "
-                 "with kernel headers, or --backend diag")
+    return Check(
+        "kernel BTF",
+        "fail",
+        f"{BTF_PATH} is missing",
+        "use a kernel built with CONFIG_DEBUG_INFO_BTF=y, or the BCC backend "
+        "with kernel headers, or --backend diag",
+    )
 
 
 def check_tracefs() -> Check:
     mounted = [str(p) for p in TRACEFS_PATHS if (p / "events").is_dir()]
     if mounted:
         return Check("tracefs", "ok", f"mounted at {mounted[0]}")
-    return Check("tracefs", "info", "not mounted; raw tracepoints, fentry and kprobes "
-                 "(perf kprobe PMU) do not need it", "mount -t tracefs nodev /sys/kernel/tracing "
-                 "only for legacy kprobes on old kernels")
+    return Check(
+        "tracefs",
+        "info",
+        "not mounted; raw tracepoints, fentry and kprobes (perf kprobe PMU) do not need it",
+        "mount -t tracefs nodev /sys/kernel/tracing only for legacy kprobes on old kernels",
+    )
 
 
 def check_libbpf() -> Check:
@@ -89,15 +97,28 @@ def check_send_modes() -> list[Check]:
         except KvwatchError as exc:
             checks.append(Check(f"send hook: {mode}", "info", exc.message))
             continue
-        checks.append(Check(f"send hook: {mode}", "ok", "loads and attaches on tcp_sendmsg"
-                            if mode != "raw_tp" else "loads and attaches on sock_send_length"))
+        checks.append(
+            Check(
+                f"send hook: {mode}",
+                "ok",
+                "loads and attaches on tcp_sendmsg"
+                if mode != "raw_tp"
+                else "loads and attaches on sock_send_length",
+            )
+        )
         if best is None:
             best = programs
         else:
             programs.close()
     if best is None:
-        checks.append(Check("send hook", "fail", "no mode attaches on this kernel",
-                            "see the lines above; --backend diag still works without BPF"))
+        checks.append(
+            Check(
+                "send hook",
+                "fail",
+                "no mode attaches on this kernel",
+                "see the lines above; --backend diag still works without BPF",
+            )
+        )
         return checks
     with best:
         checks.append(Check("send hook (auto)", "ok", f"auto picks {best.report.send_mode}"))

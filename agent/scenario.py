@@ -62,6 +62,13 @@ class ScenarioClient:
         self.reader = threading.Thread(target=self._read_loop, daemon=True)
         self.reader.start()
 
+    def close(self) -> None:
+        """Stops reading and closes the connection normally (FIN)."""
+        self.stop.set()
+        if self.reader is not None:
+            self.reader.join(timeout=2)
+        self.sock.close()
+
     def _read_loop(self) -> None:
         self.sock.settimeout(0.2)
         while not self.stop.is_set():
@@ -83,8 +90,12 @@ class Scenario:
     """A loopback streaming server plus its clients. Owns every socket and thread it starts;
     `close()` (or leaving the context) ends them all."""
 
-    def __init__(self, family: int = socket.AF_INET, chunk_bytes: int = 256,
-                 write_interval_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        family: int = socket.AF_INET,
+        chunk_bytes: int = 256,
+        write_interval_seconds: float = 0.0,
+    ) -> None:
         self.family = family
         self.host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
         self.chunk = b"data: " + b"x" * max(1, chunk_bytes - 8) + b"\n\n"

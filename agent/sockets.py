@@ -16,6 +16,14 @@ from typing import Any, Literal
 Source = Literal["bpf", "inet_diag"]
 
 
+def sndbuf_full(wmem_queued: int, sndbuf: int) -> bool:
+    """The send buffer is full when the kernel would not report the socket writable: free
+    space below half of what is queued (sk_stream_is_writeable), i.e. more than 2/3 in use.
+    A writer blocked in send() or waiting for EPOLLOUT sits above this line. The BPF side
+    applies the same test (kv_sndbuf_full in bpf/kvwatch_socket.h)."""
+    return 3 * wmem_queued > 2 * sndbuf
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """One side of a TCP connection; `ip` is the textual address (no brackets)."""
@@ -49,9 +57,13 @@ class Endpoint:
 class SocketSample:
     """One TCP socket's send-side state at `observed_ns` (CLOCK_MONOTONIC nanoseconds).
 
-    Counters are cumulative since the socket was first seen; `*_since_ns` are the start of the
+    Counters are cumulative since the socket was first seen (`retransmits` from sock_diag:
+    since the socket was created); `peer_rwnd` is -1 where the kernel does not report the
+    peer's window (sock_diag before Linux 5.4); `*_since_ns` are the start of the
     current episode or 0 when none is open. `progress_ns` is the last time the ACK point moved
     or data became pending on an idle socket: "no progress" is measured from it.
+    `bytes_acked` is the kernel's cumulative count of acknowledged bytes, the same counter
+    for every source, so two views of one socket can tell whether progress happened between.
     """
 
     key: int
@@ -81,6 +93,7 @@ class SocketSample:
     sndbuf_full_since_ns: int
     progress_ns: int
     first_seen_ns: int
+    bytes_acked: int
 
     @property
     def pending_bytes(self) -> int:

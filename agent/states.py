@@ -44,11 +44,14 @@ class StatePolicy:
 
     def __post_init__(self) -> None:
         if not self.stall_seconds > 0:
-            raise ConfigError(f"stall_seconds must be > 0, got {self.stall_seconds}",
-                              "use a threshold such as 3 (seconds)")
+            raise ConfigError(
+                f"stall_seconds must be > 0, got {self.stall_seconds}",
+                "use a threshold such as 3 (seconds)",
+            )
         if not 0 < self.slow_fill <= 1:
-            raise ConfigError(f"slow_fill must be in (0, 1], got {self.slow_fill}",
-                              "use a fraction such as 0.75")
+            raise ConfigError(
+                f"slow_fill must be in (0, 1], got {self.slow_fill}", "use a fraction such as 0.75"
+            )
 
     @property
     def stall_ns(self) -> int:

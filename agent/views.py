@@ -63,9 +63,16 @@ def sockets_table(samples: list[SocketSample], now_ns: int, policy: StatePolicy)
     """Fits 80 columns: the local side shows only its port (the server's, usually); ZW is
     the current zero-window episode and STUCK the time without ACK progress, in seconds."""
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
-    for header, justify in (("PID/COMM", "left"), ("CONNECTION", "left"), ("STATE", "left"),
-                            ("FILL", "right"), ("RWND", "right"), ("ZW", "right"),
-                            ("PEND", "right"), ("STUCK", "right")):
+    for header, justify in (
+        ("PID/COMM", "left"),
+        ("CONNECTION", "left"),
+        ("STATE", "left"),
+        ("FILL", "right"),
+        ("RWND", "right"),
+        ("ZW", "right"),
+        ("PEND", "right"),
+        ("STUCK", "right"),
+    ):
         table.add_column(header, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for sample in sorted(samples, key=lambda s: -s.no_progress_seconds(now_ns)):
         state = classify(sample, now_ns, policy)

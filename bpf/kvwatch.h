@@ -46,6 +46,7 @@ struct kv_sock_record {
 	__u64 send_bytes;
 	__u64 send_calls;
 	__u64 acks;
+	__u64 bytes_acked;		/* cumulative: the progress counter sock_diag also reports */
 	__u64 inode;			/* socket inode: joins /proc/<pid>/fd and sock_diag */
 	__u32 netns;			/* network namespace inode */
 	__u32 tgid;			/* last process that sent on it; 0 until one does */

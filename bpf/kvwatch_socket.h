@@ -22,6 +22,7 @@
 
 /* A socket's send side as one hook sees it, before it is folded into the record. */
 struct kv_tcp_view {
+	__u64 bytes_acked;
 	__u32 snd_una;
 	__u32 snd_nxt;
 	__u32 write_seq;
@@ -46,6 +47,16 @@ struct kv_tcp_header {
 
 #define KV_TCP_FLAG_SYN 0x02
 #define KV_TCP_FLAG_ACK 0x10
+
+/*
+ * The send buffer counts as full when the kernel would not report the socket writable:
+ * free space below half of what is queued (sk_stream_is_writeable), i.e. more than 2/3 of
+ * sk_sndbuf in use. A writer blocked in send() or waiting for EPOLLOUT sits above it.
+ */
+static __always_inline bool kv_sndbuf_full(__u64 wmem_queued, __u64 sndbuf)
+{
+	return 3 * wmem_queued > 2 * sndbuf;
+}
 
 static __always_inline bool kv_seq_after(__u32 a, __u32 b)
 {
@@ -154,6 +165,7 @@ static __always_inline void kv_read_view(struct sock *sk, struct kv_tcp_view *vi
 	struct tcp_sock *tp = (struct tcp_sock *)sk;
 	int wmem_queued = 0, sndbuf = 0;
 
+	KV_READ(&view->bytes_acked, tp, bytes_acked);
 	KV_READ(&view->snd_una, tp, snd_una);
 	KV_READ(&view->snd_nxt, tp, snd_nxt);
 	KV_READ(&view->write_seq, tp, write_seq);
@@ -198,8 +210,10 @@ static __always_inline bool kv_apply_segment(struct sock *sk, struct sk_buff *sk
 	if (acked_new || kv_seq_after(seq, snd_wl1) ||
 	    (seq == snd_wl1 && (window > view->peer_rwnd || window == 0)))
 		view->peer_rwnd = window;
-	if (acked_new)
+	if (acked_new) {
+		view->bytes_acked += ack - view->snd_una;
 		view->snd_una = ack;
+	}
 	return acked_new;
 }
 
@@ -229,6 +243,7 @@ static __always_inline void kv_commit(struct kv_sock_record *rec, const struct k
 
 	if (kv_seq_after(view->snd_una, rec->snd_una) || (pending && !was_pending))
 		rec->progress_ns = now;
+	rec->bytes_acked = view->bytes_acked;
 	rec->snd_una = view->snd_una;
 	rec->snd_nxt = view->snd_nxt;
 	rec->write_seq = view->write_seq;
@@ -260,8 +275,8 @@ static __always_inline void kv_commit(struct kv_sock_record *rec, const struct k
 }
 
 /*
- * Send path. At entry (fentry, kprobe) `bytes` is what the caller asks to write and the buffer
- * counts as full when that cannot fit; at exit (sock_send_length) `bytes` is what was written.
+ * Send path. At entry (fentry, kprobe) `bytes` is what the caller asks to write and counts as
+ * queued already; at exit (sock_send_length) `bytes` is what was written.
  */
 static __always_inline int kv_on_send(struct sock *sk, long bytes, bool at_entry)
 {
@@ -269,6 +284,7 @@ static __always_inline int kv_on_send(struct sock *sk, long bytes, bool at_entry
 	struct kv_tcp_view view;
 	__u64 key = (__u64)sk;
 	__u64 now;
+	__u32 tgid;
 	bool idle_before;
 
 	if (!kv_process_allowed() || !kv_port_allowed(sk))
@@ -281,12 +297,13 @@ static __always_inline int kv_on_send(struct sock *sk, long bytes, bool at_entry
 		return 0;
 	kv_read_view(sk, &view);
 	idle_before = view.write_seq == view.snd_una;
-	if (at_entry)
-		view.sndbuf_full = bytes > 0 && view.wmem_queued + bytes >= view.sndbuf;
-	else
-		view.sndbuf_full = view.wmem_queued >= view.sndbuf;
-	rec->tgid = bpf_get_current_pid_tgid() >> 32;
-	bpf_get_current_comm(&rec->comm, sizeof(rec->comm));
+	view.sndbuf_full = kv_sndbuf_full(view.wmem_queued + (at_entry && bytes > 0 ? bytes : 0),
+					  view.sndbuf);
+	tgid = bpf_get_current_pid_tgid() >> 32;
+	if (rec->tgid != tgid) {
+		rec->tgid = tgid;
+		bpf_get_current_comm(&rec->comm, sizeof(rec->comm));
+	}
 	rec->last_send_ns = now;
 	rec->send_calls++;
 	if (bytes > 0)
@@ -318,7 +335,7 @@ static __always_inline int kv_on_segment(struct sock *sk, struct sk_buff *skb)
 		return 0;
 	kv_read_view(sk, &view);
 	acked_new = kv_apply_segment(sk, skb, &view);
-	view.sndbuf_full = !acked_new && view.wmem_queued >= view.sndbuf;
+	view.sndbuf_full = !acked_new && kv_sndbuf_full(view.wmem_queued, view.sndbuf);
 	rec->acks++;
 	rec->last_ack_ns = now;
 	kv_commit(rec, &view, now);

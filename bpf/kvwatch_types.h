@@ -67,6 +67,7 @@ struct tcp_sock {
 	__u32 srtt_us;
 	__u32 snd_cwnd;
 	struct tcp_options_received rx_opt;
+	__u64 bytes_acked;
 } KV_CORE;
 
 struct sk_buff {

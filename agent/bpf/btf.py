@@ -28,7 +28,8 @@ class StructLayout:
 
 
 def _type(btf: int, type_id: int) -> BtfType:
-    return libbpf().btf__type_by_id(btf, type_id).contents
+    found: BtfType = libbpf().btf__type_by_id(btf, type_id).contents
+    return found
 
 
 def _name(btf: int, offset: int) -> str:
@@ -52,8 +53,7 @@ def _find(btf: int, name: str, kind: int) -> BtfType:
 def struct_layout(btf: int, name: str) -> StructLayout:
     struct = _find(btf, name, BTF_KIND_STRUCT)
     members = tuple(
-        (_name(btf, member.name_off), member.offset // 8)
-        for member in _trailing(struct, BtfMember)
+        (_name(btf, member.name_off), member.offset // 8) for member in _trailing(struct, BtfMember)
     )
     return StructLayout(size=struct.size_or_type, members=members)
 

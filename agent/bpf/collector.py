@@ -50,6 +50,7 @@ def record_to_sample(record: KvSockRecord, observed_ns: int) -> SocketSample:
         sndbuf_full_since_ns=record.sndbuf_full_since_ns,
         progress_ns=record.progress_ns,
         first_seen_ns=record.first_seen_ns,
+        bytes_acked=record.bytes_acked,
     )
 
 

@@ -49,6 +49,7 @@ class KvSockRecord(ctypes.Structure):
         ("send_bytes", c_uint64),
         ("send_calls", c_uint64),
         ("acks", c_uint64),
+        ("bytes_acked", c_uint64),
         ("inode", c_uint64),
         ("netns", c_uint32),
         ("tgid", c_uint32),

@@ -44,11 +44,11 @@ class BtfType(ctypes.Structure):
 
     @property
     def kind(self) -> int:
-        return (self.info >> 24) & 0x1F
+        return int(self.info >> 24) & 0x1F
 
     @property
     def vlen(self) -> int:
-        return self.info & 0xFFFF
+        return int(self.info) & 0xFFFF
 
 
 class BtfMember(ctypes.Structure):

@@ -92,8 +92,9 @@ class _OpenObject:
 
     def __init__(self, path: Path, settings: CollectorSettings, send_mode: str) -> None:
         self.lib = libbpf()
-        self.handle = check_ptr(self.lib.bpf_object__open_file(str(path).encode(), None),
-                                f"open {path}")
+        self.handle = check_ptr(
+            self.lib.bpf_object__open_file(str(path).encode(), None), f"open {path}"
+        )
         self.links: list[int] = []
         self.hooks: dict[str, str] = {}
         try:
@@ -105,12 +106,15 @@ class _OpenObject:
             raise
 
     def program(self, name: str) -> int:
-        return check_ptr(self.lib.bpf_object__find_program_by_name(self.handle, name.encode()),
-                         f"find program {name}")
+        return check_ptr(
+            self.lib.bpf_object__find_program_by_name(self.handle, name.encode()),
+            f"find program {name}",
+        )
 
     def map_handle(self, name: str) -> int:
-        return check_ptr(self.lib.bpf_object__find_map_by_name(self.handle, name.encode()),
-                         f"find map {name}")
+        return check_ptr(
+            self.lib.bpf_object__find_map_by_name(self.handle, name.encode()), f"find map {name}"
+        )
 
     def map_fd(self, name: str) -> int:
         return check_rc(self.lib.bpf_map__fd(self.map_handle(name)), f"fd of map {name}")
@@ -124,8 +128,10 @@ class _OpenObject:
             name = self.lib.bpf_program__name(prog).decode()
             check_rc(self.lib.bpf_program__set_autoload(prog, name in wanted), f"autoload {name}")
             prog = self.lib.bpf_object__next_program(self.handle, prog)
-        check_rc(self.lib.bpf_map__set_max_entries(self.map_handle("kv_sockets"),
-                                                   settings.max_sockets), "size kv_sockets")
+        check_rc(
+            self.lib.bpf_map__set_max_entries(self.map_handle("kv_sockets"), settings.max_sockets),
+            "size kv_sockets",
+        )
         self._write_settings(settings)
 
     def _write_settings(self, settings: CollectorSettings) -> None:
@@ -139,17 +145,21 @@ class _OpenObject:
         btf = check_ptr(self.lib.bpf_object__btf(self.handle), "read the object's BTF")
         offset, size = datasec_offset(btf, ".rodata", "kv_settings")
         if size != ctypes.sizeof(KvSettings):
-            raise BpfError("struct kv_settings differs between BPF and Python",
-                           "rebuild the BPF object with `make bpf`")
+            raise BpfError(
+                "struct kv_settings differs between BPF and Python",
+                "rebuild the BPF object with `make bpf`",
+            )
         data_size = ctypes.c_size_t()
-        data = check_ptr(self.lib.bpf_map__initial_value(self.map_handle(".rodata"),
-                                                         ctypes.byref(data_size)),
-                         "map .rodata")
+        data = check_ptr(
+            self.lib.bpf_map__initial_value(self.map_handle(".rodata"), ctypes.byref(data_size)),
+            "map .rodata",
+        )
         ctypes.memmove(data + offset, ctypes.addressof(values), size)
 
     def _attach(self, hook: str, program: str, mode: str) -> None:
-        link = check_ptr(self.lib.bpf_program__attach(self.program(program)),
-                         f"attach {program} ({mode})")
+        link = check_ptr(
+            self.lib.bpf_program__attach(self.program(program)), f"attach {program} ({mode})"
+        )
         self.links.append(link)
         self.hooks[hook] = mode
 
@@ -203,18 +213,24 @@ class BpfPrograms:
         if "EPERM" in self.report.rejected.get("raw_tp", ""):
             raise BpfError(f"not allowed to load BPF programs ({reasons})", privilege_hint())
         if len(modes) == 1:
-            raise BpfError(f"send hook {modes[0]} is unavailable: {reasons.split(': ', 1)[1]}",
-                           "try --send-hook auto, or see `kvwatch doctor`")
-        raise BpfError(f"no send-path hook could attach ({reasons})",
-                       "run `kvwatch doctor` to see what this kernel offers")
+            raise BpfError(
+                f"send hook {modes[0]} is unavailable: {reasons.split(': ', 1)[1]}",
+                "try --send-hook auto, or see `kvwatch doctor`",
+            )
+        raise BpfError(
+            f"no send-path hook could attach ({reasons})",
+            "run `kvwatch doctor` to see what this kernel offers",
+        )
 
     def program_fds(self) -> dict[str, int]:
         """fd of each attached program, by hook name."""
         names = {"send": SEND_PROGRAMS[self.report.send_mode], **RAW_TP_PROGRAMS}
         if self.report.hooks.get("zero_window_probe", "unavailable") != "unavailable":
             names["zero_window_probe"] = PROBE0_PROGRAMS[self.report.send_mode]
-        return {hook: self._object.lib.bpf_program__fd(self._object.program(program))
-                for hook, program in names.items()}
+        return {
+            hook: self._object.lib.bpf_program__fd(self._object.program(program))
+            for hook, program in names.items()
+        }
 
     def close(self) -> None:
         self._object.close()

@@ -98,8 +98,10 @@ class EventRing:
     def __init__(self, map_fd: int, handler: EventHandler) -> None:
         self._handler = handler
         self._callback = RingBufferSampleFn(self._on_sample)
-        self._ring = check_ptr(libbpf().ring_buffer__new(map_fd, self._callback, None, None),
-                               "open the event ring buffer")
+        self._ring = check_ptr(
+            libbpf().ring_buffer__new(map_fd, self._callback, None, None),
+            "open the event ring buffer",
+        )
 
     def _on_sample(self, _ctx: int, data: int, size: int) -> int:
         if size < ctypes.sizeof(KvEvent):

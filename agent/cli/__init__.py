@@ -34,15 +34,19 @@ def main() -> None:
       kvwatch sockets --port 8000
                                 per-socket send backpressure, live from the kernel
       kvwatch demo              a stalled, a slow and an idle client, side by side
+      kvwatch engine --egress coupled --kv-blocks 64
+                                the reference torch engine (OpenAI-compatible)
+      kvwatch loadgen --healthy 8 --stalled 2
+                                healthy, slow and stalled streaming clients
 
     Exit codes: 0 ok, 1 runtime error, 2 usage error, 3 missing privilege or kernel feature.
     """
 
 
 def _register() -> None:
-    from kvwatch.cli import demo_cmd, doctor_cmd, sockets_cmd
+    from kvwatch.cli import demo_cmd, doctor_cmd, engine_cmd, loadgen_cmd, sockets_cmd
 
-    for module in (sockets_cmd, doctor_cmd, demo_cmd):
+    for module in (sockets_cmd, doctor_cmd, engine_cmd, loadgen_cmd, demo_cmd):
         main.add_command(module.command)
 
 

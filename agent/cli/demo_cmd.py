@@ -21,10 +21,20 @@ from kvwatch.views import sockets_table
 
 
 @click.command("demo")
-@click.option("--seconds", type=click.FloatRange(min=1), default=8.0, show_default=True,
-              help="How long to watch the clients.")
-@click.option("--stall-seconds", type=click.FloatRange(min=0.1), default=3.0,
-              show_default=True, help="The stall threshold.")
+@click.option(
+    "--seconds",
+    type=click.FloatRange(min=1),
+    default=8.0,
+    show_default=True,
+    help="How long to watch the clients.",
+)
+@click.option(
+    "--stall-seconds",
+    type=click.FloatRange(min=0.1),
+    default=3.0,
+    show_default=True,
+    help="The stall threshold.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 def command(seconds: float, stall_seconds: float, as_json: bool) -> None:
     """Show a stalled client found in the kernel, next to clients that must never be.
@@ -53,8 +63,10 @@ def command(seconds: float, stall_seconds: float, as_json: bool) -> None:
             console.print(sockets_table(samples, now_ns, policy))
         finally:
             opened.collector.close()
-    outcome = {kind: {"states": states, "stalled": StreamState.STALLED.value in states}
-               for kind, states in seen.items()}
+    outcome = {
+        kind: {"states": states, "stalled": StreamState.STALLED.value in states}
+        for kind, states in seen.items()
+    }
     if as_json:
         click.echo(json.dumps(outcome, indent=2))
         return

@@ -18,8 +18,13 @@ STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "d
 
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
-@click.option("--path.procfs", "procfs_root", default="/proc", show_default=True,
-              help="Where the host's /proc is mounted.")
+@click.option(
+    "--path.procfs",
+    "procfs_root",
+    default="/proc",
+    show_default=True,
+    help="Where the host's /proc is mounted.",
+)
 def command(as_json: bool, procfs_root: str) -> None:
     """Check this node: privileges, BTF, tracefs, libbpf, and which mode each BPF hook gets.
 
@@ -35,10 +40,12 @@ def command(as_json: bool, procfs_root: str) -> None:
         table.add_column(no_wrap=True)
         table.add_column()
         for check in checks:
-            detail = check.detail + (f"\n→ {check.fix}" if check.fix and
-                                     check.status in ("fail", "warn") else "")
-            table.add_row(Text(check.status.upper(), style=STATUS_STYLES[check.status]),
-                          check.name, detail)
+            detail = check.detail + (
+                f"\n→ {check.fix}" if check.fix and check.status in ("fail", "warn") else ""
+            )
+            table.add_row(
+                Text(check.status.upper(), style=STATUS_STYLES[check.status]), check.name, detail
+            )
         Console().print(table)
     if not node_can_run_agent(checks):
         sys.exit(EXIT_PRIVILEGE)

@@ -17,37 +17,69 @@ F = TypeVar("F", bound=Callable[..., Any])
 def collector_options(func: F) -> F:
     """--port, --pid, --backend, --send-hook, --max-sockets, --stall-seconds, --path.procfs."""
     decorators = [
-        click.option("--port", "ports", type=click.IntRange(1, 65535), multiple=True,
-                     help="Watch only sockets with this local port (repeatable, up to 16). "
-                          "Filtered in the kernel: other sockets cost almost nothing."),
-        click.option("--pid", type=click.IntRange(min=1), default=None,
-                     help="Watch only sockets this process writes to."),
-        click.option("--backend", type=click.Choice(BACKENDS), default="auto",
-                     show_default=True,
-                     help="core: BPF (CO-RE); diag: sock_diag polling, no BPF; "
-                          "auto: core when it loads, else diag, saying why."),
-        click.option("--send-hook", type=click.Choice(("auto", *SEND_MODES)), default="auto",
-                     show_default=True,
-                     help="Force the tcp_sendmsg hook mode (auto picks the best that attaches)."),
-        click.option("--max-sockets", type=click.IntRange(min=1), default=16384,
-                     show_default=True,
-                     help="Size of the in-kernel socket table (LRU; evictions are counted)."),
-        click.option("--stall-seconds", type=click.FloatRange(min=0.1), default=3.0,
-                     show_default=True,
-                     help="Pending data with no ACK progress under a zero window or full "
-                          "send buffer for this long makes a stream `stalled`."),
-        click.option("--path.procfs", "procfs_root", default="/proc", show_default=True,
-                     help="Where the host's /proc is mounted (a DaemonSet mounts it elsewhere)."),
+        click.option(
+            "--port",
+            "ports",
+            type=click.IntRange(1, 65535),
+            multiple=True,
+            help="Watch only sockets with this local port (repeatable, up to 16). "
+            "Filtered in the kernel: other sockets cost almost nothing.",
+        ),
+        click.option(
+            "--pid",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Watch only sockets this process writes to.",
+        ),
+        click.option(
+            "--backend",
+            type=click.Choice(BACKENDS),
+            default="auto",
+            show_default=True,
+            help="core: BPF (CO-RE); diag: sock_diag polling, no BPF; "
+            "auto: core when it loads, else diag, saying why.",
+        ),
+        click.option(
+            "--send-hook",
+            type=click.Choice(("auto", *SEND_MODES)),
+            default="auto",
+            show_default=True,
+            help="Force the tcp_sendmsg hook mode (auto picks the best that attaches).",
+        ),
+        click.option(
+            "--max-sockets",
+            type=click.IntRange(min=1),
+            default=16384,
+            show_default=True,
+            help="Size of the in-kernel socket table (LRU; evictions are counted).",
+        ),
+        click.option(
+            "--stall-seconds",
+            type=click.FloatRange(min=0.1),
+            default=3.0,
+            show_default=True,
+            help="Pending data with no ACK progress under a zero window or full "
+            "send buffer for this long makes a stream `stalled`.",
+        ),
+        click.option(
+            "--path.procfs",
+            "procfs_root",
+            default="/proc",
+            show_default=True,
+            help="Where the host's /proc is mounted (a DaemonSet mounts it elsewhere).",
+        ),
     ]
     for decorator in reversed(decorators):
         func = decorator(func)
     return func
 
 
-def collector_settings(ports: tuple[int, ...], pid: int | None, send_hook: str,
-                       max_sockets: int) -> CollectorSettings:
-    return CollectorSettings(ports=tuple(ports), pid=pid or 0, max_sockets=max_sockets,
-                             send_mode=send_hook)
+def collector_settings(
+    ports: tuple[int, ...], pid: int | None, send_hook: str, max_sockets: int
+) -> CollectorSettings:
+    return CollectorSettings(
+        ports=tuple(ports), pid=pid or 0, max_sockets=max_sockets, send_mode=send_hook
+    )
 
 
 def state_policy(stall_seconds: float) -> StatePolicy:

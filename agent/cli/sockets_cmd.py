@@ -18,17 +18,43 @@ from kvwatch.views import socket_json, sockets_table
 
 @click.command("sockets")
 @collector_options
-@click.option("--state", "states", type=click.Choice([s.value for s in StreamState]),
-              multiple=True, help="Show only streams in this state (repeatable).")
+@click.option(
+    "--state",
+    "states",
+    type=click.Choice([s.value for s in StreamState]),
+    multiple=True,
+    help="Show only streams in this state (repeatable).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON contract (an array).")
 @click.option("--watch", is_flag=True, help="Refresh until interrupted (Ctrl-C).")
-@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
-              help="Seconds between refreshes with --watch.")
-@click.option("--settle", type=click.FloatRange(min=0), default=0.5, show_default=True,
-              help="Seconds to observe before the first report (lets BPF see live sockets).")
-def command(ports: tuple[int, ...], pid: int | None, backend: str, send_hook: str,
-            max_sockets: int, stall_seconds: float, procfs_root: str, states: tuple[str, ...],
-            as_json: bool, watch: bool, interval: float, settle: float) -> None:
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.05),
+    default=1.0,
+    show_default=True,
+    help="Seconds between refreshes with --watch.",
+)
+@click.option(
+    "--settle",
+    type=click.FloatRange(min=0),
+    default=0.5,
+    show_default=True,
+    help="Seconds to observe before the first report (lets BPF see live sockets).",
+)
+def command(
+    ports: tuple[int, ...],
+    pid: int | None,
+    backend: str,
+    send_hook: str,
+    max_sockets: int,
+    stall_seconds: float,
+    procfs_root: str,
+    states: tuple[str, ...],
+    as_json: bool,
+    watch: bool,
+    interval: float,
+    settle: float,
+) -> None:
     """Show each TCP socket's send backpressure and stream state.
 
     \b
@@ -45,9 +71,7 @@ def command(ports: tuple[int, ...], pid: int | None, backend: str, send_hook: st
     settings = collector_settings(ports, pid, send_hook, max_sockets)
     policy = state_policy(stall_seconds)
     opened = open_collector(settings, backend, procfs_root)
-    err = Console(stderr=True)
-    if not as_json:
-        err.print(f"[dim]{opened.note}[/dim]")
+    Console(stderr=True).print(f"[dim]{opened.note}[/dim]")
     try:
         time.sleep(settle)
         if watch and not as_json:
@@ -72,8 +96,9 @@ def command(ports: tuple[int, ...], pid: int | None, backend: str, send_hook: st
         opened.collector.close()
 
 
-def _filtered(samples: list[SocketSample], states: tuple[str, ...],
-              policy: StatePolicy) -> tuple[list[SocketSample], int]:
+def _filtered(
+    samples: list[SocketSample], states: tuple[str, ...], policy: StatePolicy
+) -> tuple[list[SocketSample], int]:
     now_ns = time.monotonic_ns()
     if states:
         samples = [s for s in samples if classify(s, now_ns, policy).value in states]

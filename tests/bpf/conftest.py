@@ -28,12 +28,31 @@ def wait_for(produce: Callable[[], T | None], timeout_seconds: float, what: str)
         time.sleep(0.02)
 
 
-def server_side(collector: BpfCollector, client_port: int) -> SocketSample | None:
-    """The server socket whose peer is the client on `client_port`, if tracked."""
+def server_side(
+    collector: BpfCollector, client_port: int, when: Callable[[SocketSample], bool] = lambda _: True
+) -> SocketSample | None:
+    """The server socket whose peer is the client on `client_port`, if tracked and `when`
+    holds for it."""
     for sample in collector.samples():
         if sample.remote.port == client_port:
-            return sample
+            return sample if when(sample) else None
     return None
+
+
+def wait_for_server_side(
+    collector: BpfCollector,
+    client_port: int,
+    when: Callable[[SocketSample], bool],
+    timeout_seconds: float,
+    what: str,
+) -> SocketSample:
+    found = wait_for(lambda: server_side(collector, client_port, when), timeout_seconds, what)
+    assert isinstance(found, SocketSample)
+    return found
+
+
+def in_zero_window(sample: SocketSample) -> bool:
+    return sample.zero_window
 
 
 @pytest.fixture

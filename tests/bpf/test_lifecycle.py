@@ -9,25 +9,34 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvwatch.bpf.collector import BpfCollector
+from kvwatch.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.scenario import Scenario
-from tests.bpf.conftest import EventLog, server_side, wait_for
+from tests.bpf.conftest import EventLog, in_zero_window, server_side, wait_for, wait_for_server_side
 
 pytestmark = pytest.mark.bpf
 
 
 def test_close_removes_the_record_and_emits_a_close_event(
-        scenario: Scenario, open_collector: Callable[..., BpfCollector]) -> None:
+    scenario: Scenario, open_collector: Callable[..., BpfCollector]
+) -> None:
     collector = open_collector(ports=(scenario.port,))
     events = EventLog(collector)
     client = scenario.connect("healthy")
     wait_for(lambda: server_side(collector, client.local_port), 1.0, "the record")
 
-    client.stop.set()
-    client.sock.close()
-    closed = wait_for(lambda: next((e for e in events.drain() if e.kind == "close"
-                                    and e.sample.remote.port == client.local_port), None),
-                      2.0, "a close event")
+    client.close()
+    closed: SocketEvent = wait_for(
+        lambda: next(
+            (
+                e
+                for e in events.drain()
+                if e.kind == "close" and e.sample.remote.port == client.local_port
+            ),
+            None,
+        ),
+        2.0,
+        "a close event",
+    )
     assert closed.sample.tcp_state == 7  # TCP_CLOSE
     assert closed.sample.local.port == scenario.port
     assert server_side(collector, client.local_port) is None
@@ -40,8 +49,9 @@ def test_ipv6_loopback(open_collector: Callable[..., BpfCollector]) -> None:
     with Scenario(family=socket.AF_INET6) as scenario:
         collector = open_collector(ports=(scenario.port,))
         client = scenario.connect("stalled")
-        sample = wait_for(lambda: (s := server_side(collector, client.local_port))
-                          and s.zero_window and s, 1.0, "an IPv6 zero window")
+        sample = wait_for_server_side(
+            collector, client.local_port, in_zero_window, 1.0, "an IPv6 zero window"
+        )
         assert str(sample.local) == f"[::1]:{scenario.port}"
         assert str(sample.remote) == f"[::1]:{client.local_port}"
 
@@ -62,20 +72,21 @@ def connect_idle(scenario: Scenario, count: int) -> None:
 
 @pytest.mark.slow
 def test_two_thousand_concurrent_sockets_are_all_tracked(
-        many_fds: None, scenario: Scenario,
-        open_collector: Callable[..., BpfCollector]) -> None:
+    many_fds: None, scenario: Scenario, open_collector: Callable[..., BpfCollector]
+) -> None:
     collector = open_collector(ports=(scenario.port,))
     connect_idle(scenario, 2000)
-    tracked = wait_for(lambda: (n := len(collector.samples())) >= 2000 and n, 5.0,
-                       "2,000 tracked sockets")
+    tracked = wait_for(
+        lambda: (n := len(collector.samples())) >= 2000 and n, 5.0, "2,000 tracked sockets"
+    )
     assert tracked == 2000
     assert collector.stats()["evictions"] == 0
 
 
 @pytest.mark.slow
 def test_a_map_too_small_evicts_and_counts(
-        many_fds: None, scenario: Scenario,
-        open_collector: Callable[..., BpfCollector]) -> None:
+    many_fds: None, scenario: Scenario, open_collector: Callable[..., BpfCollector]
+) -> None:
     collector = open_collector(ports=(scenario.port,), max_sockets=128)
     connect_idle(scenario, 400)
     stats = collector.stats()

@@ -9,22 +9,29 @@ from collections.abc import Callable
 
 import pytest
 
-from kvwatch.bpf.collector import BpfCollector
+from kvwatch.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.scenario import Scenario
+from kvwatch.sockets import SocketSample
 from kvwatch.states import StatePolicy, StreamState, classify
-from tests.bpf.conftest import EventLog, server_side, wait_for
+from tests.bpf.conftest import EventLog, in_zero_window, server_side, wait_for, wait_for_server_side
 
 pytestmark = pytest.mark.bpf
 POLICY = StatePolicy(stall_seconds=3.0)
 
 
-def test_stalled_client_is_found(scenario: Scenario,
-                                 open_collector: Callable[..., BpfCollector]) -> None:
+def is_stalled(sample: SocketSample) -> bool:
+    return classify(sample, time.monotonic_ns(), POLICY) is StreamState.STALLED
+
+
+def test_stalled_client_is_found(
+    scenario: Scenario, open_collector: Callable[..., BpfCollector]
+) -> None:
     collector = open_collector(ports=(scenario.port,))
     client = scenario.connect("stalled")
 
-    first = wait_for(lambda: (s := server_side(collector, client.local_port)) and s.zero_window
-                     and s, 1.0, "a zero window within 1 s")
+    first = wait_for_server_side(
+        collector, client.local_port, in_zero_window, 1.0, "a zero window within 1 s"
+    )
     assert first.peer_rwnd == 0
     assert first.pid == os.getpid()
     assert first.comm
@@ -39,16 +46,16 @@ def test_stalled_client_is_found(scenario: Scenario,
     assert later.pending_bytes >= first.pending_bytes, "the send queue keeps growing or holds"
     assert classify(later, time.monotonic_ns(), POLICY) is StreamState.ZERO_WINDOW
 
-    stalled = wait_for(
-        lambda: (s := server_side(collector, client.local_port))
-        and classify(s, time.monotonic_ns(), POLICY) is StreamState.STALLED and s,
-        POLICY.stall_seconds + 1.0, "the stalled state")
+    stalled = wait_for_server_side(
+        collector, client.local_port, is_stalled, POLICY.stall_seconds + 1.0, "the stalled state"
+    )
     assert stalled.no_progress_seconds(time.monotonic_ns()) >= POLICY.stall_seconds
     assert stalled.zero_window_seconds(time.monotonic_ns()) >= POLICY.stall_seconds - 0.5
 
 
 def test_slow_draining_reader_and_idle_connection_are_never_stalled(
-        scenario: Scenario, open_collector: Callable[..., BpfCollector]) -> None:
+    scenario: Scenario, open_collector: Callable[..., BpfCollector]
+) -> None:
     collector = open_collector(ports=(scenario.port,))
     slow = scenario.connect("slow")
     idle = scenario.connect("idle")
@@ -75,19 +82,28 @@ def test_slow_draining_reader_and_idle_connection_are_never_stalled(
 
 
 def test_reading_again_ends_the_zero_window_episode(
-        scenario: Scenario, open_collector: Callable[..., BpfCollector]) -> None:
+    scenario: Scenario, open_collector: Callable[..., BpfCollector]
+) -> None:
     collector = open_collector(ports=(scenario.port,))
     events = EventLog(collector)
     client = scenario.connect("stalled")
-    wait_for(lambda: (s := server_side(collector, client.local_port)) and s.zero_window,
-             1.0, "a zero window")
+    wait_for_server_side(collector, client.local_port, in_zero_window, 1.0, "a zero window")
     time.sleep(1.0)
     resumed_ns = time.monotonic_ns()
     client.start_reading()
 
-    ended = wait_for(lambda: next((e for e in events.drain() if e.kind == "zero_window_end"
-                                   and e.sample.remote.port == client.local_port), None),
-                     1.0, "the zero-window end event")
+    ended: SocketEvent = wait_for(
+        lambda: next(
+            (
+                e
+                for e in events.drain()
+                if e.kind == "zero_window_end" and e.sample.remote.port == client.local_port
+            ),
+            None,
+        ),
+        1.0,
+        "the zero-window end event",
+    )
     assert (ended.ts_ns - resumed_ns) / 1e9 < 0.1, "the window update itself ends the episode"
     sample = ended.sample
     assert sample.zero_window_episodes == 1

@@ -1,0 +1,155 @@
+"""`kvwatch loadgen`: healthy, slow and stalled streaming clients against an OpenAI API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import click
+
+from kvwatch.errors import KvwatchError
+from kvwatch.loadgen import LoadPlan, LoadReport, render_text, run_load
+from kvwatch.loadgen.report import progress_line
+
+
+class _Progress:
+    """Writes the progress line on stderr: rewritten in place on a terminal, else one per tick."""
+
+    def __init__(self, duration_seconds: float) -> None:
+        self._duration_seconds = duration_seconds
+        self._in_place = sys.stderr.isatty()
+        self._shown = False
+
+    def __call__(self, report: LoadReport) -> None:
+        line = progress_line(report, report.duration_seconds, self._duration_seconds)
+        if self._in_place:
+            click.echo(f"\r\x1b[2K{line}", nl=False, err=True)
+        else:
+            click.echo(line, err=True)
+        self._shown = True
+
+    def close(self) -> None:
+        if self._in_place and self._shown:
+            click.echo(err=True)
+
+
+@click.command("loadgen")
+@click.option(
+    "--url",
+    default="http://127.0.0.1:8000",
+    show_default=True,
+    help="Base URL of the OpenAI-compatible server (the API is under /v1).",
+)
+@click.option(
+    "--duration",
+    "duration_seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Seconds to run.",
+)
+@click.option(
+    "--healthy",
+    type=click.IntRange(min=0),
+    default=4,
+    show_default=True,
+    help="Clients that read as fast as they can.",
+)
+@click.option(
+    "--slow",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Clients that read --slow-bytes-per-second.",
+)
+@click.option(
+    "--stalled",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Clients that stop reading after the first token, connection kept open.",
+)
+@click.option(
+    "--slow-bytes-per-second",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="How fast slow clients read.",
+)
+@click.option(
+    "--rcvbuf-bytes",
+    type=click.IntRange(min=0),
+    default=4096,
+    show_default=True,
+    help="SO_RCVBUF of slow and stalled clients, set before connect (0: default).",
+)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--prompt", default=LoadPlan.prompt, show_default=True)
+@click.option(
+    "--endpoint",
+    type=click.Choice(["completions", "chat"]),
+    default="completions",
+    show_default=True,
+    help="/v1/completions or /v1/chat/completions.",
+)
+@click.option("--model", default=None, help="Model name [default: the first at /v1/models].")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress line on stderr [default: when stderr is a terminal].",
+)
+def command(
+    *,
+    url: str,
+    duration_seconds: float,
+    healthy: int,
+    slow: int,
+    stalled: int,
+    slow_bytes_per_second: int,
+    rcvbuf_bytes: int,
+    max_tokens: int,
+    prompt: str,
+    endpoint: str,
+    model: str | None,
+    as_json: bool,
+    progress: bool | None,
+) -> None:
+    """Run healthy, slow and stalled streaming clients and report each class.
+
+    Per class: TTFT and inter-token latency p50/p99, tokens/s, and finished, cancelled (the
+    server ended the stream early), reset (the connection was reset), error, stalled (held open
+    to the end) and incomplete (cut by the end of the run) requests.
+
+    \b
+    Example:
+      kvwatch loadgen --url http://127.0.0.1:8000 --healthy 8 --stalled 2 --duration 30
+    """
+    plan = LoadPlan(
+        url=url,
+        healthy=healthy,
+        slow=slow,
+        stalled=stalled,
+        duration_seconds=duration_seconds,
+        endpoint="chat" if endpoint == "chat" else "completions",
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        slow_bytes_per_second=slow_bytes_per_second,
+        rcvbuf_bytes=rcvbuf_bytes,
+    )
+    show = sys.stderr.isatty() if progress is None else progress
+    reporter = _Progress(duration_seconds) if show else None
+    try:
+        report = asyncio.run(run_load(plan, on_progress=reporter))
+    finally:
+        if reporter is not None:
+            reporter.close()
+    click.echo(json.dumps(report.to_json(), indent=2) if as_json else render_text(report))
+    if report.total_tokens == 0 and report.total_errors:
+        first = next(row.errors[0] for row in report.classes.values() if row.errors)
+        raise KvwatchError(
+            f"no request received a token; first error: {first}",
+            "check --url, --model and --endpoint against the server",
+        )

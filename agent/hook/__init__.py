@@ -1,0 +1,22 @@
+"""The engine hook: tells the kvwatch agent about an engine's streams, runs its cancels.
+
+Never imports torch. See docs/protocol.md for the wire protocol and `EngineHook` for use.
+"""
+
+from kvwatch.hook.api import (
+    DEFAULT_SOCKET_PATH,
+    SOCKET_PATH_ENV,
+    CancelHandler,
+    CancelOutcome,
+    EngineInfo,
+)
+from kvwatch.hook.engine_hook import EngineHook
+
+__all__ = [
+    "DEFAULT_SOCKET_PATH",
+    "SOCKET_PATH_ENV",
+    "CancelHandler",
+    "CancelOutcome",
+    "EngineHook",
+    "EngineInfo",
+]

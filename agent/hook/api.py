@@ -1,0 +1,46 @@
+"""The engine-facing types of the kvwatch hook: what an engine announces and how it answers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+DEFAULT_SOCKET_PATH = "/run/kvwatch/engine.sock"
+SOCKET_PATH_ENV = "KVWATCH_ENGINE_SOCKET"
+
+
+def resolve_socket_path(socket_path: str | None) -> str:
+    """The explicit path, else $KVWATCH_ENGINE_SOCKET, else the default."""
+    return socket_path or os.environ.get(SOCKET_PATH_ENV) or DEFAULT_SOCKET_PATH
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine announces in its hello: identity, KV geometry and device."""
+
+    engine: str
+    model: str
+    pid: int
+    bytes_per_block: int
+    device: str
+    kv_blocks_total: int
+
+
+@dataclass(frozen=True)
+class CancelOutcome:
+    """The engine's answer to a cancel, given only after the freed blocks are really free.
+
+    `status` is one of "cancelled", "unknown_request", "already_finished", "failed"; `detail`
+    says, for humans, why nothing was freed.
+    """
+
+    request_id: str
+    status: str
+    freed_blocks: int
+    freed_bytes: int
+    detail: str = ""
+
+
+CancelHandler = Callable[[str, str], CancelOutcome]
+"""(request_id, reason) -> outcome; runs on a hook worker thread, may block until its timeout."""

@@ -1,0 +1,206 @@
+"""The hook's shared state: live streams, the bounded outbound queue and the counters."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvwatch.errors import ConfigError, ProtocolError
+from kvwatch.hook.api import EngineInfo
+from kvwatch.protocol import Close, Hello, Message, Open, Update
+from kvwatch.sockets import Endpoint
+
+COUNTER_NAMES = (
+    "sent",
+    "dropped_queue_full",
+    "dropped_invalid",
+    "unknown_stream_events",
+    "connects",
+    "reconnects",
+    "connect_failures",
+    "disconnects",
+    "send_timeouts",
+    "resyncs",
+    "cancels_received",
+    "cancels_answered",
+    "cancel_timeouts",
+    "cancel_handler_errors",
+    "cancels_refused_busy",
+    "cancel_answers_lost",
+    "malformed_received",
+    "agent_errors_received",
+    "internal_errors",
+)
+
+
+class Counters:
+    """Monotonic event counts (COUNTER_NAMES); any thread may add, a lock keeps them exact."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(COUNTER_NAMES, 0)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._values[name] += amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+@dataclass
+class _LiveStream:
+    local: Endpoint
+    remote: Endpoint
+    kv_blocks: int
+    tokens_out: int
+
+
+@dataclass(frozen=True)
+class _PendingUpdate:
+    """A queued "send this stream's current numbers"; several updates coalesce into one."""
+
+    request_id: str
+
+
+class StreamBook:
+    """The engine's live streams and the messages waiting for the agent connection.
+
+    Engine threads call `opened`/`updated`/`closed`; the hook's I/O thread calls
+    `start_session`, `end_session`, `take` and `needs_resync`. One lock guards all of it and is
+    never held during I/O, so engine threads never wait on the agent.
+    Invariants: the queue holds at most `queue_size` items; at most one pending update per
+    stream is queued (it reads the stream's numbers when taken); nothing is queued outside a
+    session, because each session starts with a hello and a snapshot of every live stream.
+    A drop marks the book for a resync (a fresh hello + snapshot once the queue drains), so the
+    agent's view converges again after any loss.
+    """
+
+    def __init__(
+        self, info: EngineInfo, queue_size: int, counters: Counters, wake: Callable[[], None]
+    ) -> None:
+        self._info = info
+        try:
+            self._hello = Hello(
+                engine=info.engine,
+                model=info.model,
+                pid=info.pid,
+                bytes_per_block=info.bytes_per_block,
+                device=info.device,
+                kv_blocks_total=info.kv_blocks_total,
+            )
+        except ProtocolError as exc:
+            raise ConfigError(
+                f"invalid EngineInfo: {exc.message}", "pass strings and non-negative integers"
+            ) from exc
+        self._queue_size = queue_size
+        self._counters = counters
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._streams: dict[str, _LiveStream] = {}
+        self._queue: deque[Message | _PendingUpdate] = deque()
+        self._update_queued: set[str] = set()
+        self._in_session = False
+        self._resync_needed = False
+
+    @property
+    def live_count(self) -> int:
+        return len(self._streams)
+
+    def opened(self, request_id: str, local: Endpoint, remote: Endpoint, kv_blocks: int) -> None:
+        stream = _LiveStream(local, remote, kv_blocks, 0)
+        message = self._open_message(request_id, stream)  # validates before anything changes
+        with self._lock:
+            self._streams[request_id] = stream
+            self._enqueue(message)
+
+    def updated(self, request_id: str, kv_blocks: int, tokens_out: int) -> bool:
+        """Records the new numbers; False when the stream is not live."""
+        Update(request_id=request_id, kv_blocks=kv_blocks, tokens_out=tokens_out)  # validates
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                return False
+            stream.kv_blocks, stream.tokens_out = kv_blocks, tokens_out
+            if request_id not in self._update_queued and self._enqueue(_PendingUpdate(request_id)):
+                self._update_queued.add(request_id)
+            return True
+
+    def closed(self, request_id: str, reason: str) -> bool:
+        """Forgets the stream and queues its close; False when it was not live."""
+        message = Close(request_id=request_id, reason=reason)
+        with self._lock:
+            if self._streams.pop(request_id, None) is None:
+                return False
+            self._enqueue(message)
+            return True
+
+    def start_session(self) -> list[Message]:
+        """Hello and one open per live stream; replaces whatever was queued, atomically."""
+        with self._lock:
+            self._queue.clear()
+            self._update_queued.clear()
+            self._in_session = True
+            self._resync_needed = False
+            opens = [self._open_message(rid, stream) for rid, stream in self._streams.items()]
+        return [self._hello, *opens]
+
+    def end_session(self) -> None:
+        with self._lock:
+            self._in_session = False
+            self._queue.clear()
+            self._update_queued.clear()
+
+    def needs_resync(self) -> bool:
+        """True once messages were dropped and the queue has drained since."""
+        with self._lock:
+            return self._resync_needed and not self._queue
+
+    def take(self, limit: int) -> list[Message]:
+        """Up to `limit` queued messages, oldest first, with coalesced updates filled in."""
+        messages: list[Message] = []
+        with self._lock:
+            while self._queue and len(messages) < limit:
+                item = self._queue.popleft()
+                if isinstance(item, Message):
+                    messages.append(item)
+                    continue
+                self._update_queued.discard(item.request_id)
+                stream = self._streams.get(item.request_id)
+                if stream is not None:
+                    messages.append(
+                        Update(
+                            request_id=item.request_id,
+                            kv_blocks=stream.kv_blocks,
+                            tokens_out=stream.tokens_out,
+                        )
+                    )
+        return messages
+
+    def _enqueue(self, item: Message | _PendingUpdate) -> bool:
+        """Queues `item` (lock held); False when outside a session or dropped because full."""
+        if not self._in_session:
+            return False
+        if len(self._queue) >= self._queue_size:
+            self._counters.add("dropped_queue_full")
+            self._resync_needed = True
+            return False
+        self._queue.append(item)
+        if len(self._queue) == 1:
+            self._wake()
+        return True
+
+    def _open_message(self, request_id: str, stream: _LiveStream) -> Open:
+        return Open(
+            request_id=request_id,
+            local=stream.local,
+            remote=stream.remote,
+            pid=self._info.pid,
+            kv_blocks=stream.kv_blocks,
+            bytes_per_block=self._info.bytes_per_block,
+            device=self._info.device,
+            tokens_out=stream.tokens_out,
+        )

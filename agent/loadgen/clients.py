@@ -1,0 +1,157 @@
+"""The three kinds of streaming client: healthy, slow (reads K bytes/s) and stalled.
+
+Each request runs on its own TCP connection with raw non-blocking socket I/O on the event
+loop, so the client decides exactly when and how much it reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from kvwatch.loadgen.http import (
+    ABORT_FINISH_REASONS,
+    Endpoint,
+    ResponseError,
+    ResponseParser,
+    SseParser,
+    parse_chunk,
+)
+from kvwatch.loadgen.report import ClassStats, Outcome, RequestRecord
+
+SocketAddress = tuple[Any, ...]  # what getaddrinfo returns for AF_INET / AF_INET6
+HEALTHY_RECV_BYTES = 64 * 1024
+HOLD_POLL_SECONDS = 0.05
+ERROR_PAUSE_SECONDS = 0.2
+MAX_ERROR_BODY_BYTES = 2048
+RESET_ERRNOS = (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED)
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where and what to send: resolved address plus the prebuilt request bytes."""
+
+    family: int
+    address: SocketAddress
+    request: bytes
+    endpoint: Endpoint
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """How a client reads: `bytes_per_second` 0 means as fast as it can; a stalling client
+    stops reading after its first token. `rcvbuf_bytes` 0 keeps the kernel's default."""
+
+    bytes_per_second: int = 0
+    stall_after_first_token: bool = False
+    rcvbuf_bytes: int = 0
+
+
+async def client_loop(conn: Connection, stats: ClassStats, behaviour: Behaviour) -> None:
+    """Sends requests one after another until cancelled (the end of the run)."""
+    while True:
+        outcome = await stream_request(conn, stats, behaviour)
+        if outcome == "error":
+            await asyncio.sleep(ERROR_PAUSE_SECONDS)  # no hot loop against a failing server
+
+
+async def stream_request(conn: Connection, stats: ClassStats, behaviour: Behaviour) -> Outcome:
+    """One streaming request; records its tokens and outcome in `stats`."""
+    loop = asyncio.get_running_loop()
+    record = stats.begin(loop.time())
+    sock = socket.socket(conn.family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        if behaviour.rcvbuf_bytes:  # before connect, so the window scale stays small
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, behaviour.rcvbuf_bytes)
+        await loop.sock_connect(sock, conn.address)
+        await loop.sock_sendall(sock, conn.request)
+        record.outcome = await _read_response(sock, conn, stats, record, behaviour)
+    except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
+        record.outcome = "reset"
+    except OSError as exc:
+        record.outcome, record.error = "error", os.strerror(exc.errno) if exc.errno else str(exc)
+    except ResponseError as exc:
+        record.outcome, record.error = "error", str(exc)
+    finally:
+        sock.close()
+        stats.end(record, loop.time())
+    return record.outcome
+
+
+async def _read_response(
+    sock: socket.socket,
+    conn: Connection,
+    stats: ClassStats,
+    record: RequestRecord,
+    behaviour: Behaviour,
+) -> Outcome:
+    loop = asyncio.get_running_loop()
+    response, events = ResponseParser(), SseParser()
+    recv_bytes = HEALTHY_RECV_BYTES
+    if behaviour.bytes_per_second:
+        recv_bytes = max(1, min(HEALTHY_RECV_BYTES, behaviour.bytes_per_second // 10))
+    done = False
+    while not response.complete:
+        data = await loop.sock_recv(sock, recv_bytes)
+        if not data:
+            response.eof()
+            break
+        body = response.feed(data)
+        if response.status is not None and response.status != 200:
+            return await _http_error(sock, response, body, record)
+        for payload in events.feed(body):
+            done = done or _on_event(payload, conn, stats, record)
+        if behaviour.stall_after_first_token and record.first_token_at is not None and not done:
+            return await _hold(sock, record)
+        if behaviour.bytes_per_second:
+            await asyncio.sleep(len(data) / behaviour.bytes_per_second)
+    if response.status is None:
+        record.error = "the server closed the connection before responding"
+        return "error"
+    if record.finish_reason in ABORT_FINISH_REASONS:
+        return "cancelled"
+    return "finished" if done or record.finish_reason else "cancelled"
+
+
+def _on_event(payload: str, conn: Connection, stats: ClassStats, record: RequestRecord) -> bool:
+    """Handles one SSE event; True for the final `[DONE]`."""
+    if payload.strip() == "[DONE]":
+        return True
+    text, finish_reason = parse_chunk(payload, conn.endpoint)
+    if text:
+        stats.token(record, asyncio.get_running_loop().time())
+    if finish_reason:
+        record.finish_reason = finish_reason
+    return False
+
+
+async def _http_error(
+    sock: socket.socket, response: ResponseParser, body: bytes, record: RequestRecord
+) -> Outcome:
+    loop = asyncio.get_running_loop()
+    while not response.complete and len(body) < MAX_ERROR_BODY_BYTES:
+        data = await loop.sock_recv(sock, MAX_ERROR_BODY_BYTES)
+        if not data:
+            break
+        body += response.feed(data)
+    text = body[:200].decode("utf-8", errors="replace").strip()
+    record.error = f"HTTP {response.status}: {text}" if text else f"HTTP {response.status}"
+    return "error"
+
+
+async def _hold(sock: socket.socket, record: RequestRecord) -> Outcome:
+    """Keeps the connection open without reading until the peer resets it (or the run ends)."""
+    record.outcome = "stalled"  # what the run's end will find
+    while True:
+        await asyncio.sleep(HOLD_POLL_SECONDS)
+        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)  # does not read data
+        if code in RESET_ERRNOS:
+            return "reset"
+        if code:
+            record.error = os.strerror(code)
+            return "error"

@@ -1,0 +1,191 @@
+"""`run_load`: runs healthy, slow and stalled clients against one server for a duration."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvwatch.errors import ConfigError, KvwatchError
+from kvwatch.loadgen.clients import Behaviour, Connection, SocketAddress, client_loop
+from kvwatch.loadgen.http import (
+    Endpoint,
+    ResponseError,
+    ResponseParser,
+    Target,
+    build_request,
+    completion_body,
+)
+from kvwatch.loadgen.report import CLIENT_CLASSES, ClassStats, ClientClass, LoadReport
+
+MAX_MODELS_BYTES = 1024 * 1024
+ProgressCallback = Callable[[LoadReport], None]
+_MODEL_LIST_ERRORS = (
+    OSError,
+    asyncio.TimeoutError,
+    ResponseError,
+    ValueError,
+    LookupError,
+    TypeError,
+)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What to run. Healthy clients read as fast as they can; slow ones read
+    `slow_bytes_per_second`; stalled ones stop reading after their first token and keep the
+    connection open. Slow and stalled clients set SO_RCVBUF to `rcvbuf_bytes` before connecting
+    (0 keeps the kernel default). Every client sends its next request when one ends.
+    `model` None means the first model the server lists at /v1/models."""
+
+    url: str = "http://127.0.0.1:8000"
+    healthy: int = 4
+    slow: int = 0
+    stalled: int = 0
+    duration_seconds: float = 10.0
+    endpoint: Endpoint = "completions"
+    model: str | None = None
+    prompt: str = "Tell me a long story about a lighthouse keeper."
+    max_tokens: int = 128
+    slow_bytes_per_second: int = 2048
+    rcvbuf_bytes: int = 4096
+    connect_timeout_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        Target.parse(self.url)
+        for name in ("healthy", "slow", "stalled", "rcvbuf_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative", "pass 0 or more")
+        for name in ("duration_seconds", "max_tokens", "slow_bytes_per_second"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive", "pass a number above 0")
+        if self.healthy + self.slow + self.stalled == 0:
+            raise ConfigError("no clients to run", "ask for at least one healthy, slow or stalled")
+        if self.endpoint not in ("completions", "chat"):
+            raise ConfigError(f"unknown endpoint {self.endpoint!r}", "use completions or chat")
+
+    def clients(self, name: ClientClass) -> int:
+        return {"healthy": self.healthy, "slow": self.slow, "stalled": self.stalled}[name]
+
+    def behaviour(self, name: ClientClass) -> Behaviour:
+        if name == "slow":
+            return Behaviour(self.slow_bytes_per_second, rcvbuf_bytes=self.rcvbuf_bytes)
+        if name == "stalled":
+            return Behaviour(stall_after_first_token=True, rcvbuf_bytes=self.rcvbuf_bytes)
+        return Behaviour()
+
+
+async def run_load(
+    plan: LoadPlan,
+    on_progress: ProgressCallback | None = None,
+    progress_interval_seconds: float = 1.0,
+) -> LoadReport:
+    """Runs `plan` and reports per class; raises KvwatchError when the server is unreachable."""
+    loop = asyncio.get_running_loop()
+    target = Target.parse(plan.url)
+    family, address = await _resolve(target)
+    probe = await _connect(target, family, address, plan.connect_timeout_seconds)
+    with probe:
+        model = plan.model or await _first_model(target, probe, plan.connect_timeout_seconds)
+    body = completion_body(plan.endpoint, model, plan.prompt, plan.max_tokens)
+    path = target.path(plan.endpoint)
+    conn = Connection(family, address, build_request(target, "POST", path, body), plan.endpoint)
+    stats = {name: ClassStats(name, plan.clients(name)) for name in CLIENT_CLASSES}
+    started = loop.time()
+
+    def snapshot() -> LoadReport:
+        elapsed = loop.time() - started
+        reports = {name: stats[name].report(elapsed) for name in CLIENT_CLASSES}
+        return LoadReport(target.base_url + path, plan.endpoint, model, elapsed, reports)
+
+    tasks = [
+        asyncio.create_task(client_loop(conn, stats[name], plan.behaviour(name)))
+        for name in CLIENT_CLASSES
+        for _ in range(plan.clients(name))
+    ]
+    try:
+        deadline = started + plan.duration_seconds
+        while (remaining := deadline - loop.time()) > 0:
+            done, _ = await asyncio.wait(tasks, timeout=min(remaining, progress_interval_seconds))
+            for task in done:
+                task.result()  # clients only end by cancellation: anything else is a bug
+            if on_progress is not None:
+                on_progress(snapshot())
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return snapshot()
+
+
+async def _resolve(target: Target) -> tuple[int, SocketAddress]:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise KvwatchError(
+            f"cannot resolve {target.host}: {exc.strerror}", "check the host name in --url"
+        ) from exc
+    family, _, _, _, address = infos[0]
+    return family, address
+
+
+async def _connect(
+    target: Target, family: int, address: SocketAddress, timeout_seconds: float
+) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await asyncio.wait_for(
+            asyncio.get_running_loop().sock_connect(sock, address), timeout_seconds
+        )
+    except (OSError, asyncio.TimeoutError) as exc:
+        sock.close()
+        reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else "timed out"
+        raise KvwatchError(
+            f"cannot reach {target.base_url}: {reason}",
+            "start the server, or pass its base URL with --url",
+        ) from exc
+    return sock
+
+
+async def _first_model(target: Target, sock: socket.socket, timeout_seconds: float) -> str:
+    """The id of the first model GET /v1/models lists."""
+    url = target.base_url + target.api_prefix + "/models"
+    try:
+        body = await asyncio.wait_for(_get(target, sock, "/models"), timeout_seconds)
+        models = json.loads(body)["data"]
+        model = models[0]["id"]
+        if not isinstance(model, str):
+            raise ValueError(f"model id {model!r} is not a string")
+        return model
+    except (
+        OSError,
+        asyncio.TimeoutError,
+        ResponseError,
+        ValueError,
+        LookupError,
+        TypeError,
+    ) as exc:
+        raise KvwatchError(
+            f"could not read a model name from {url}: {exc or type(exc).__name__}",
+            "pass the model name with --model",
+        ) from exc
+
+
+async def _get(target: Target, sock: socket.socket, path: str) -> bytes:
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendall(sock, build_request(target, "GET", target.api_prefix + path, None))
+    response, body = ResponseParser(), b""
+    while not response.complete and len(body) < MAX_MODELS_BYTES:
+        data = await loop.sock_recv(sock, 65536)
+        if not data:
+            response.eof()
+            break
+        body += response.feed(data)
+    if response.status != 200:
+        raise ResponseError(f"HTTP {response.status}")
+    return body

@@ -1,0 +1,341 @@
+"""The engine-hook wire protocol: versioned JSON lines over a unix stream socket.
+
+Every message is one JSON object on one line of UTF-8 ending in "\\n", carrying the protocol
+version `v` and its `type`. The engine hook (`kvwatch.hook`) speaks the engine side, the agent
+daemon the server side; both use this codec. docs/protocol.md is the specification.
+
+Decoding is strict about what it knows (types, required fields, ranges) and lenient about what
+it does not (unknown extra fields are ignored so a newer peer can add fields). Anything that does
+not decode raises `ProtocolError`; callers count and drop such messages, never die of them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Literal, get_type_hints
+
+from kvwatch.errors import ProtocolError
+from kvwatch.sockets import Endpoint
+
+PROTOCOL_VERSION = 1
+MAX_LINE_BYTES = 64 * 1024
+MAX_ID_CHARS = 256
+CANCEL_STATUSES = ("cancelled", "unknown_request", "already_finished", "failed")
+
+Sender = Literal["engine", "agent"]
+
+_RECEIVED_HINT = "the message was dropped; check that both sides run the same kvwatch version"
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every protocol message; subclasses validate their fields on construction.
+
+    Invariant: an instance always encodes to a valid line (types and ranges checked in
+    `__post_init__`), so a message that exists can be sent.
+    """
+
+    TYPE: ClassVar[str] = ""
+    SENDER: ClassVar[Sender] = "engine"
+
+    def __post_init__(self) -> None:
+        for name, expected in _field_types(type(self)):
+            _check_field(self.TYPE, name, expected, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Engine → agent, first on every connection: who the engine is. Starts a new session."""
+
+    TYPE: ClassVar[str] = "hello"
+    engine: str
+    model: str
+    pid: int
+    bytes_per_block: int
+    device: str
+    kv_blocks_total: int
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    """Agent → engine, optional answer to hello: the agent's name and version."""
+
+    TYPE: ClassVar[str] = "welcome"
+    SENDER: ClassVar[Sender] = "agent"
+    agent: str
+
+
+@dataclass(frozen=True)
+class ErrorMessage(Message):
+    """Agent → engine: why the agent refuses the connection or a message (then may close)."""
+
+    TYPE: ClassVar[str] = "error"
+    SENDER: ClassVar[Sender] = "agent"
+    message: str
+    hint: str = ""
+
+
+@dataclass(frozen=True)
+class Open(Message):
+    """Engine → agent: a streaming request and the client connection it writes to.
+
+    `local` is the server socket's own address, `remote` the client's, as the server sees them;
+    `pid` is the process that owns that socket.
+    """
+
+    TYPE: ClassVar[str] = "open"
+    request_id: str
+    local: Endpoint
+    remote: Endpoint
+    pid: int
+    kv_blocks: int
+    bytes_per_block: int
+    device: str
+    tokens_out: int = 0
+
+
+@dataclass(frozen=True)
+class Update(Message):
+    """Engine → agent: the request's current KV blocks and tokens streamed so far."""
+
+    TYPE: ClassVar[str] = "update"
+    request_id: str
+    kv_blocks: int
+    tokens_out: int
+
+
+@dataclass(frozen=True)
+class Close(Message):
+    """Engine → agent: the request ended (`reason`: finished, aborted, cancelled, ...)."""
+
+    TYPE: ClassVar[str] = "close"
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Cancel(Message):
+    """Agent → engine: free this request's KV; answered by one `Cancelled` with the same id."""
+
+    TYPE: ClassVar[str] = "cancel"
+    SENDER: ClassVar[Sender] = "agent"
+    request_id: str
+    reason: str
+    correlation_id: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Cancelled(Message):
+    """Engine → agent: the outcome of a cancel, sent after the blocks are really free."""
+
+    TYPE: ClassVar[str] = "cancelled"
+    request_id: str
+    status: str
+    freed_blocks: int
+    freed_bytes: int
+    correlation_id: str
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.status not in CANCEL_STATUSES:
+            raise ProtocolError(
+                f"'cancelled' message has status {self.status!r}",
+                f"use one of {', '.join(CANCEL_STATUSES)}",
+            )
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls for cls in (Hello, Welcome, ErrorMessage, Open, Update, Close, Cancel, Cancelled)
+}
+
+
+_FIELD_TYPES: dict[str, tuple[tuple[str, Any], ...]] = {}
+
+
+def _field_types(cls: type[Message]) -> tuple[tuple[str, Any], ...]:
+    """(name, type) of each field of `cls`, resolved once per message type."""
+    cached = _FIELD_TYPES.get(cls.TYPE)
+    if cached is None:
+        hints = get_type_hints(cls)
+        cached = _FIELD_TYPES[cls.TYPE] = tuple((f.name, hints[f.name]) for f in fields(cls))
+    return cached
+
+
+def _check_field(kind: str, name: str, expected: Any, value: Any) -> None:
+    """Raises ProtocolError unless `value` is a valid `expected` for field `name`."""
+    if expected is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        wanted = "a non-negative integer"
+    elif expected is str and name.endswith("_id"):
+        ok = isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
+        wanted = f"a non-empty string of at most {MAX_ID_CHARS} characters"
+    elif expected is str:
+        ok = isinstance(value, str)
+        wanted = "a string"
+    elif expected is Endpoint:
+        ok = isinstance(value, Endpoint)
+        wanted = 'an "ip:port" string'
+    else:
+        ok = isinstance(value, dict) and all(isinstance(key, str) for key in value)
+        wanted = "a JSON object"
+    if not ok:
+        raise ProtocolError(
+            f"'{kind}' message field '{name}' must be {wanted}, got {_preview(value)}",
+            _RECEIVED_HINT,
+        )
+
+
+def _preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def encode(message: Message) -> bytes:
+    """One line of UTF-8 JSON ending in "\\n"; raises ProtocolError if it would be oversized."""
+    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": message.TYPE}
+    for f in fields(message):
+        value = getattr(message, f.name)
+        body[f.name] = str(value) if isinstance(value, Endpoint) else value
+    try:
+        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(
+            f"'{message.TYPE}' message cannot be encoded as JSON: {exc}",
+            "pass only JSON values (no NaN, no objects) in evidence",
+        ) from exc
+    line = text.encode() + b"\n"
+    if len(line) > MAX_LINE_BYTES:
+        raise ProtocolError(
+            f"'{message.TYPE}' message is {len(line)} bytes, over the {MAX_LINE_BYTES} byte limit",
+            "send less evidence or shorter strings",
+        )
+    return line
+
+
+def decode(line: bytes | str, sender: Sender | None = None) -> Message:
+    """Parses one line; with `sender`, also refuses messages the other side never sends."""
+    raw = line.encode() if isinstance(line, str) else line
+    if len(raw) > MAX_LINE_BYTES:
+        raise ProtocolError(
+            f"message of {len(raw)} bytes is over the {MAX_LINE_BYTES} byte line limit",
+            _RECEIVED_HINT,
+        )
+    body = _parse_json(raw)
+    cls = _message_class(body)
+    if sender is not None and sender != cls.SENDER:
+        raise ProtocolError(
+            f"'{cls.TYPE}' messages are sent by the {cls.SENDER}, but this came from the {sender}",
+            _RECEIVED_HINT,
+        )
+    return cls(**_field_values(cls, body))
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except ValueError as exc:  # also UnicodeDecodeError
+        raise ProtocolError(f"message is not a line of UTF-8 JSON: {exc}", _RECEIVED_HINT) from exc
+    if not isinstance(body, dict):
+        raise ProtocolError(
+            f"message must be a JSON object, got {type(body).__name__}", _RECEIVED_HINT
+        )
+    return body
+
+
+def _message_class(body: dict[str, Any]) -> type[Message]:
+    version = body.get("v")
+    if version is None:
+        raise ProtocolError("message has no protocol version field 'v'", _RECEIVED_HINT)
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise ProtocolError(
+            f"protocol version {_preview(version)} is not supported; "
+            f"this side speaks version {PROTOCOL_VERSION}",
+            "run the same kvwatch version for the agent and the engine hook",
+        )
+    kind = body.get("type")
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(
+            f"unknown message type {_preview(kind)} (known: {', '.join(MESSAGE_TYPES)})",
+            _RECEIVED_HINT,
+        )
+    return cls
+
+
+def _field_values(cls: type[Message], body: dict[str, Any]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in body:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ProtocolError(
+                    f"'{cls.TYPE}' message lacks required field '{f.name}'", _RECEIVED_HINT
+                )
+            continue
+        value = body[f.name]
+        if f.name in ("local", "remote"):
+            value = _parse_endpoint(cls.TYPE, f.name, value)
+        values[f.name] = value
+    return values
+
+
+def _parse_endpoint(kind: str, name: str, value: Any) -> Endpoint:
+    try:
+        if not isinstance(value, str):
+            raise ValueError(value)
+        return Endpoint.parse(value)
+    except ValueError as exc:
+        raise ProtocolError(
+            f"'{kind}' message field '{name}' must be an \"ip:port\" string "
+            f'("[ipv6]:port" for IPv6), got {_preview(value)}',
+            _RECEIVED_HINT,
+        ) from exc
+
+
+class LineFramer:
+    """Splits a byte stream into decoded messages, one per line.
+
+    Owned by one reader. Invariant: the buffer never holds more than `MAX_LINE_BYTES` of an
+    unfinished line; an oversized line is reported once as a ProtocolError and its remainder is
+    discarded up to the next newline, after which decoding resumes. Empty lines are ignored.
+    """
+
+    def __init__(self, sender: Sender | None = None) -> None:
+        self._sender = sender
+        self._buffer = bytearray()
+        self._discarding = False
+
+    def feed(self, data: bytes) -> list[Message | ProtocolError]:
+        """Returns the messages (or the errors) of every line completed by `data`."""
+        self._buffer += data
+        *lines, rest = self._buffer.split(b"\n")
+        results: list[Message | ProtocolError] = []
+        for line in lines:
+            if self._discarding:
+                self._discarding = False
+            elif line.strip():
+                results.append(self._decode(bytes(line)))
+        self._buffer = bytearray(rest)
+        if len(self._buffer) > MAX_LINE_BYTES:
+            if not self._discarding:
+                results.append(
+                    ProtocolError(
+                        f"line longer than the {MAX_LINE_BYTES} byte limit; discarded",
+                        _RECEIVED_HINT,
+                    )
+                )
+            self._discarding = True
+            self._buffer.clear()
+        return results
+
+    def _decode(self, line: bytes) -> Message | ProtocolError:
+        try:
+            return decode(line, self._sender)
+        except ProtocolError as exc:
+            return exc

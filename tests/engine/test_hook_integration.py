@@ -1,0 +1,159 @@
+"""The engine with its kvwatch hook, against a minimal real agent on a unix socket.
+
+The agent sees hello, then open with the client connection's 4-tuple exactly as the server
+socket has it, then updates; its cancel frees exactly that request's blocks, once, the client
+sees a reset, and the stream closes as "cancelled". With no agent, the engine just serves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvwatch.engine.core import Engine
+from kvwatch.engine.server import EngineServer, attach_hook
+from kvwatch.protocol import (
+    Cancel,
+    Cancelled,
+    Close,
+    Hello,
+    LineFramer,
+    Message,
+    Open,
+    Update,
+    encode,
+)
+from kvwatch.sockets import Endpoint
+from tests.engine.conftest import StalledClient, tiny_config, wait_until
+
+pytestmark = pytest.mark.engine
+
+WAIT_SECONDS = 10.0
+
+
+class MiniAgent:
+    """Accepts one hook connection, records its messages, sends what the test asks."""
+
+    def __init__(self, path: Path) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(1)
+        self.conn: socket.socket | None = None
+        self.messages: list[Message] = []
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        self.conn = conn
+        framer = LineFramer(sender="engine")
+        while data := conn.recv(65536):
+            with self._cond:
+                self.messages.extend(m for m in framer.feed(data) if isinstance(m, Message))
+                self._cond.notify_all()
+
+    def wait_for(self, predicate: Callable[[Message], bool]) -> Message:
+        with self._cond:
+            assert self._cond.wait_for(
+                lambda: any(predicate(m) for m in self.messages), WAIT_SECONDS
+            ), self.messages
+            return next(m for m in reversed(self.messages) if predicate(m))
+
+    def send(self, message: Message) -> None:
+        assert self.conn is not None
+        self.conn.sendall(encode(message))
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.shutdown(socket.SHUT_RDWR)
+            self.conn.close()
+        self.listener.close()
+        self._thread.join(WAIT_SECONDS)
+
+
+@pytest.fixture
+def hooked_server(tmp_path: Path) -> Iterator[tuple[EngineServer, MiniAgent]]:
+    agent = MiniAgent(tmp_path / "engine.sock")
+    engine = Engine(tiny_config(kv_blocks=64, egress="coupled"))
+    server = EngineServer(
+        engine,
+        "127.0.0.1",
+        0,
+        sndbuf_bytes=4096,
+        hook=attach_hook(engine, str(tmp_path / "engine.sock")),
+    )
+    server.start_in_thread()
+    yield server, agent
+    server.stop()
+    agent.close()
+
+
+@pytest.mark.slow
+def test_agent_cancel_frees_the_stalled_request_and_resets_its_client(
+    hooked_server: tuple[EngineServer, MiniAgent],
+) -> None:
+    server, agent = hooked_server
+    hello = agent.wait_for(lambda m: isinstance(m, Hello))
+    assert isinstance(hello, Hello)
+    assert hello.pid == os.getpid()
+    assert hello.bytes_per_block == server.engine.description.bytes_per_block
+    assert hello.kv_blocks_total == 64
+
+    body = json.dumps({"prompt": "stall", "max_tokens": 900, "stream": True}).encode()
+    client = StalledClient(server.address, body, request_id="hooked")
+    try:
+        opened = agent.wait_for(lambda m: isinstance(m, Open))
+        assert isinstance(opened, Open)
+        assert opened.request_id == "cmpl-hooked"
+        assert opened.local == Endpoint(*client.sock.getpeername())
+        assert opened.remote == Endpoint(*client.sock.getsockname())
+
+        def pinned_blocks() -> int:
+            requests = server.engine.stats().requests
+            return requests[0].kv_blocks if requests[0].state == "egress_blocked" else -1
+
+        wait_until(lambda: pinned_blocks() > 0)
+        blocks = pinned_blocks()
+        agent.wait_for(lambda m: isinstance(m, Update) and m.kv_blocks == blocks)
+
+        agent.send(Cancel(request_id="cmpl-hooked", reason="stalled", correlation_id="c-1"))
+        answer = agent.wait_for(lambda m: isinstance(m, Cancelled))
+        assert isinstance(answer, Cancelled)
+        assert (answer.status, answer.freed_blocks) == ("cancelled", blocks)
+        assert answer.correlation_id == "c-1"
+        assert client.drain_until_closed() == "reset"
+        closed = agent.wait_for(lambda m: isinstance(m, Close))
+        assert isinstance(closed, Close) and closed.reason == "cancelled"
+        assert server.engine.stats().kv_blocks_used == 0
+
+        agent.send(Cancel(request_id="cmpl-hooked", reason="stalled", correlation_id="c-2"))
+        again = agent.wait_for(lambda m: isinstance(m, Cancelled) and m.correlation_id == "c-2")
+        assert isinstance(again, Cancelled) and again.status == "already_finished"
+    finally:
+        client.close()
+
+
+def test_engine_serves_normally_with_no_agent(tmp_path: Path) -> None:
+    engine = Engine(tiny_config())
+    hook = attach_hook(engine, str(tmp_path / "nobody-listens.sock"))
+    server = EngineServer(engine, "127.0.0.1", 0, hook=hook)
+    server.start_in_thread()
+    try:
+        for _ in range(3):
+            response = httpx.post(
+                f"{server.url}/v1/completions",
+                json={"prompt": "hi", "max_tokens": 4, "stream": True},
+                timeout=10,
+            )
+            assert response.status_code == 200
+            assert response.text.endswith("data: [DONE]\n\n")
+    finally:
+        server.stop()

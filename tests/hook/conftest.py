@@ -1,0 +1,61 @@
+"""Fixtures for the hook tests: a short socket path, real agents, started hooks."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvwatch.hook import CancelHandler, CancelOutcome, EngineHook
+from tests.hook.hook_agent import ENGINE_INFO, AgentServer
+
+
+@pytest.fixture
+def socket_path() -> Iterator[str]:
+    """A short path (AF_UNIX paths are limited to 108 bytes) in a private directory."""
+    directory = tempfile.mkdtemp(prefix="kvw-", dir="/tmp")
+    yield f"{directory}/engine.sock"
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def agent_factory(socket_path: str) -> Iterator[Callable[..., AgentServer]]:
+    agents: list[AgentServer] = []
+
+    def start(*, reading: bool = True) -> AgentServer:
+        agent = AgentServer(socket_path, reading=reading)
+        agents.append(agent)
+        return agent
+
+    yield start
+    for agent in agents:
+        agent.stop()
+
+
+def default_handler(request_id: str, reason: str) -> CancelOutcome:
+    return CancelOutcome(request_id, "unknown_request", 0, 0, detail=f"no request ({reason})")
+
+
+@pytest.fixture
+def hook_factory(socket_path: str) -> Iterator[Callable[..., EngineHook]]:
+    """Builds started hooks on the test socket path with fast timings; stops them afterwards."""
+    hooks: list[EngineHook] = []
+
+    def build(handler: CancelHandler = default_handler, **options: float) -> EngineHook:
+        settings: dict[str, float] = {"reconnect_seconds": 0.2, **options}
+        hook = EngineHook(
+            ENGINE_INFO,
+            handler,
+            socket_path,
+            queue_size=int(settings.pop("queue_size", 1024)),
+            **settings,
+        )
+        hook.start()
+        hooks.append(hook)
+        return hook
+
+    yield build
+    for hook in hooks:
+        hook.stop()

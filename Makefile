@@ -27,7 +27,9 @@ demo: setup
 	$(VENV)/bin/kvwatch demo
 
 bench: setup
-	$(PY) -m bench.run_all
+	$(MAKE) -C bench/bpf
+	$(PY) -m bench.bench_collector
+	$(PY) -m bench.bench_engine
 
 # mypy cannot follow setuptools' package-dir mapping through an editable install, so it
 # reads the package through a small tree of links that spells the import names.

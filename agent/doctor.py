@@ -101,9 +101,8 @@ def check_send_modes() -> list[Check]:
             Check(
                 f"send hook: {mode}",
                 "ok",
-                "loads and attaches on tcp_sendmsg"
-                if mode != "raw_tp"
-                else "loads and attaches on sock_send_length",
+                "loads and attaches on "
+                + ("tcp_sendmsg" if mode in ("fentry", "kprobe") else "sock:sock_send_length"),
             )
         )
         if best is None:

@@ -22,6 +22,7 @@ from kvwatch.engine.config import DEFAULT_MODEL_SIZE, EngineConfig
 from kvwatch.engine.core import Engine
 from kvwatch.engine.kv_cache import KVCacheManager
 from kvwatch.engine.requests import GenerationRequest
+from kvwatch.engine.runner import Sampling
 from kvwatch.engine.scheduler import Scheduler, Sequence
 
 RUNNING = 64
@@ -100,10 +101,10 @@ def throughput(model_size: str, concurrent: int, max_tokens: int) -> dict[str, A
     model_step = runner.step
     model_seconds = [0.0]
 
-    def timed_step(*args: Any) -> list[int]:
+    def timed_step(seqs: list[Sequence], sampling: list[Sampling]) -> list[int]:
         start = time.perf_counter()
         try:
-            return model_step(*args)
+            return model_step(seqs, sampling)
         finally:
             model_seconds[0] += time.perf_counter() - start
 
@@ -136,6 +137,7 @@ def throughput(model_size: str, concurrent: int, max_tokens: int) -> dict[str, A
 
 
 def main() -> None:
+    torch.set_num_threads(EngineConfig().cpu_threads)  # what every engine below runs with
     results: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -51,8 +51,7 @@ static __always_inline void kv_stat_add(__u32 index)
 		*value += 1;
 }
 
-#define KV_READ(dst, ptr, field) BPF_CORE_READ_INTO(dst, ptr, field)
-#define KV_READ_BITFIELD(ptr, field) BPF_CORE_READ_BITFIELD_PROBED(ptr, field)
+#define KV_NOW() bpf_ktime_get_ns()
 #define KV_SETTING(name) (kv_settings.name)
 #define KV_SOCKETS_LOOKUP(key) bpf_map_lookup_elem(&kv_sockets, key)
 #define KV_SOCKETS_INSERT(key, rec) bpf_map_update_elem(&kv_sockets, key, rec, BPF_NOEXIST)
@@ -63,21 +62,52 @@ static __always_inline void kv_stat_add(__u32 index)
 
 #include "kvwatch_socket.h"
 
-/* Send path, variant 1: fentry (BPF trampoline). */
+/* Flavour 1, for BTF-typed programs (fentry, tp_btf): plain loads, checked by the verifier. */
+#define KV_FN(name) name##_btf
+#define KV_READ(dst, ptr, field) (*(dst) = (ptr)->field)
+#define KV_READ_BYTES(dst, ptr, field) __builtin_memcpy(dst, &(ptr)->field, sizeof((ptr)->field))
+#define KV_READ_BITFIELD(ptr, field) BPF_CORE_READ_BITFIELD(ptr, field)
+#define KV_TCP_SOCK(sk) bpf_skc_to_tcp_sock(sk)
+#include "kvwatch_hooks.h"
+#undef KV_FN
+#undef KV_READ
+#undef KV_READ_BYTES
+#undef KV_READ_BITFIELD
+#undef KV_TCP_SOCK
+
+/* Flavour 2, for kprobe and raw_tp programs: every read through bpf_probe_read_kernel. */
+#define KV_FN(name) name##_probed
+#define KV_READ(dst, ptr, field) BPF_CORE_READ_INTO(dst, ptr, field)
+#define KV_READ_BYTES(dst, ptr, field) BPF_CORE_READ_INTO(&(dst), ptr, field)
+#define KV_READ_BITFIELD(ptr, field) BPF_CORE_READ_BITFIELD_PROBED(ptr, field)
+#define KV_TCP_SOCK(sk) ((struct tcp_sock *)(sk))
+#include "kvwatch_hooks.h"
+
+/* Send path: fentry (BPF trampoline), else kprobe, else the sock_send_length tracepoint. */
 SEC("fentry/tcp_sendmsg")
 int BPF_PROG(kv_send_fentry, struct sock *sk, void *msg, __u64 size)
 {
-	return kv_on_send(sk, size, true);
+	return kv_on_send_btf(sk, size, true);
 }
 
-/* Send path, variant 2: kprobe. */
 SEC("kprobe/tcp_sendmsg")
 int BPF_KPROBE(kv_send_kprobe, struct sock *sk, void *msg, __u64 size)
 {
-	return kv_on_send(sk, size, true);
+	return kv_on_send_probed(sk, size, true);
 }
 
-/* Send path, variant 3: sock_send_length(sk, ret, flags), after the write, any socket type. */
+/* sock_send_length(sk, ret, flags) fires after the write returns, for every socket type. */
+SEC("tp_btf/sock_send_length")
+int BPF_PROG(kv_send_tp_btf, struct sock *sk, int ret, int flags)
+{
+	unsigned short family = sk->__sk_common.skc_family;
+
+	if ((family != KV_AF_INET && family != KV_AF_INET6) ||
+	    BPF_CORE_READ_BITFIELD(sk, sk_protocol) != KV_IPPROTO_TCP)
+		return 0;
+	return kv_on_send_btf(sk, ret, false);
+}
+
 SEC("raw_tp/sock_send_length")
 int kv_send_raw_tp(struct bpf_raw_tracepoint_args *ctx)
 {
@@ -88,39 +118,57 @@ int kv_send_raw_tp(struct bpf_raw_tracepoint_args *ctx)
 	if ((family != KV_AF_INET && family != KV_AF_INET6) ||
 	    BPF_CORE_READ_BITFIELD_PROBED(sk, sk_protocol) != KV_IPPROTO_TCP)
 		return 0;
-	return kv_on_send(sk, (int)ctx->args[1], false);
+	return kv_on_send_probed(sk, (int)ctx->args[1], false);
 }
 
 /* ACK path: tcp_probe(sk, skb) at the entry of tcp_rcv_established. */
-SEC("raw_tp/tcp_probe")
-int kv_segment(struct bpf_raw_tracepoint_args *ctx)
+SEC("tp_btf/tcp_probe")
+int BPF_PROG(kv_segment_tp_btf, struct sock *sk, struct sk_buff *skb)
 {
-	return kv_on_segment((struct sock *)ctx->args[0], (struct sk_buff *)ctx->args[1]);
+	return kv_on_segment_btf(sk, skb);
+}
+
+SEC("raw_tp/tcp_probe")
+int kv_segment_raw_tp(struct bpf_raw_tracepoint_args *ctx)
+{
+	return kv_on_segment_probed((struct sock *)ctx->args[0], (struct sk_buff *)ctx->args[1]);
 }
 
 /* Lifecycle: inet_sock_set_state(sk, oldstate, newstate). */
-SEC("raw_tp/inet_sock_set_state")
-int kv_state(struct bpf_raw_tracepoint_args *ctx)
+SEC("tp_btf/inet_sock_set_state")
+int BPF_PROG(kv_state_tp_btf, struct sock *sk, int old_state, int new_state)
 {
-	return kv_on_state((struct sock *)ctx->args[0], (int)ctx->args[2]);
+	return kv_on_state_btf(sk, new_state);
+}
+
+SEC("raw_tp/inet_sock_set_state")
+int kv_state_raw_tp(struct bpf_raw_tracepoint_args *ctx)
+{
+	return kv_on_state_probed((struct sock *)ctx->args[0], (int)ctx->args[2]);
 }
 
 /* Retransmits: tcp_retransmit_skb(sk, skb[, err]). */
-SEC("raw_tp/tcp_retransmit_skb")
-int kv_retransmit(struct bpf_raw_tracepoint_args *ctx)
+SEC("tp_btf/tcp_retransmit_skb")
+int BPF_PROG(kv_retransmit_tp_btf, struct sock *sk)
 {
-	return kv_on_retransmit((struct sock *)ctx->args[0]);
+	return kv_on_retransmit_btf(sk);
+}
+
+SEC("raw_tp/tcp_retransmit_skb")
+int kv_retransmit_raw_tp(struct bpf_raw_tracepoint_args *ctx)
+{
+	return kv_on_retransmit_probed((struct sock *)ctx->args[0]);
 }
 
 /* Zero-window probes: only where the send path got fentry or kprobe. */
 SEC("fentry/tcp_send_probe0")
 int BPF_PROG(kv_probe0_fentry, struct sock *sk)
 {
-	return kv_on_zero_window_probe(sk);
+	return kv_on_zero_window_probe_btf(sk);
 }
 
 SEC("kprobe/tcp_send_probe0")
 int BPF_KPROBE(kv_probe0_kprobe, struct sock *sk)
 {
-	return kv_on_zero_window_probe(sk);
+	return kv_on_zero_window_probe_probed(sk);
 }

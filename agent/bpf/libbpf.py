@@ -31,6 +31,7 @@ log = logging.getLogger("kvwatch.libbpf")
 
 LIBBPF_NAMES = ("libbpf.so.1", "libbpf.so.0", "libbpf.so")
 BTF_KIND_STRUCT = 4
+BTF_KIND_TYPEDEF = 8
 BTF_KIND_DATASEC = 15
 
 PrintFn = CFUNCTYPE(c_int, c_int, c_char_p, c_void_p)
@@ -113,6 +114,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ring_buffer__epoll_fd": (c_int, [c_void_p]),
     "ring_buffer__free": (None, [c_void_p]),
     "btf__parse": (c_void_p, [c_char_p, c_void_p]),
+    "btf__load_vmlinux_btf": (c_void_p, []),
     "btf__free": (None, [c_void_p]),
     "btf__find_by_name_kind": (c_int, [c_void_p, c_char_p, c_uint]),
     "btf__type_by_id": (POINTER(BtfType), [c_void_p, c_uint32]),
@@ -145,7 +147,7 @@ _LIBC.vsnprintf.argtypes = [c_char_p, c_size_t, c_char_p, c_void_p]
 
 
 def _forward_print(_level: int, fmt: bytes, args: int) -> int:
-    buffer = ctypes.create_string_buffer(2048)
+    buffer = ctypes.create_string_buffer(1 << 16)
     _LIBC.vsnprintf(buffer, len(buffer), fmt, args)
     text = buffer.value.decode(errors="replace").rstrip()
     # The loader summarises failures itself; libbpf's detail (verifier logs) is for -v.

@@ -1,15 +1,19 @@
-"""Loads kvwatch's BPF object, chooses the send-path hook for this kernel and attaches it.
+"""Loads kvwatch's BPF object, chooses the hook modes for this kernel and attaches them.
 
-The send path has three variants of one handler: fentry (BPF trampolines), kprobe, and the
-`sock:sock_send_length` raw tracepoint. `auto` tries them in that order; each try opens the
-object afresh with only that variant autoloaded, so a kernel that refuses one variant never
-poisons the next. The ACK path, lifecycle and retransmit hooks are raw tracepoints on every
-kernel; zero-window probes are counted only where fentry or kprobe attach.
+The send path has four variants of one handler: fentry (BPF trampolines), kprobe, and the
+`sock:sock_send_length` raw tracepoint, BTF-typed (tp_btf) or plain (raw_tp). `auto` tries
+them in that order; each try opens the object afresh with only that variant autoloaded, so a
+kernel that refuses one never poisons the next. The ACK path, lifecycle and retransmit hooks
+are raw tracepoints: tp_btf where the kernel's BTF describes them (5.5+), else raw_tp.
+BTF-typed programs read kernel memory with plain loads, the others through
+bpf_probe_read_kernel (several times slower per field). Zero-window probes are counted only
+where fentry or kprobe attach.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -17,15 +21,61 @@ from pathlib import Path
 
 from kvwatch.bpf.btf import datasec_offset
 from kvwatch.bpf.layout import MAX_FILTER_PORTS, KvSettings
-from kvwatch.bpf.libbpf import check_ptr, check_rc, libbpf, privilege_hint
+from kvwatch.bpf.libbpf import BTF_KIND_TYPEDEF, check_ptr, check_rc, libbpf, privilege_hint
 from kvwatch.errors import BpfError, ConfigError
 
 log = logging.getLogger(__name__)
 
-SEND_MODES = ("fentry", "kprobe", "raw_tp")
-SEND_PROGRAMS = {"fentry": "kv_send_fentry", "kprobe": "kv_send_kprobe", "raw_tp": "kv_send_raw_tp"}
+SEND_MODES = ("fentry", "kprobe", "tp_btf", "raw_tp")
+TRACEPOINT_MODES = ("tp_btf", "raw_tp")
+SEND_TRACEPOINT = "sock_send_length"
 PROBE0_PROGRAMS = {"fentry": "kv_probe0_fentry", "kprobe": "kv_probe0_kprobe"}
-RAW_TP_PROGRAMS = {"ack": "kv_segment", "lifecycle": "kv_state", "retransmit": "kv_retransmit"}
+# hook -> (kernel tracepoint, program name prefix); the mode is appended to the prefix.
+TRACEPOINT_HOOKS = {
+    "ack": ("tcp_probe", "kv_segment"),
+    "lifecycle": ("inet_sock_set_state", "kv_state"),
+    "retransmit": ("tcp_retransmit_skb", "kv_retransmit"),
+}
+
+
+def send_program(mode: str) -> str:
+    return f"kv_send_{mode}"
+
+
+def tracepoint_programs(mode: str) -> dict[str, str]:
+    return {hook: f"{prefix}_{mode}" for hook, (_, prefix) in TRACEPOINT_HOOKS.items()}
+
+
+@functools.cache
+def kernel_btf_tracepoints() -> frozenset[str]:
+    """Tracepoints the running kernel's BTF describes (btf_trace_<name>), among those used."""
+    lib = libbpf()
+    btf = lib.btf__load_vmlinux_btf()
+    if not btf:
+        return frozenset()
+    try:
+        wanted = [SEND_TRACEPOINT, *(tp for tp, _ in TRACEPOINT_HOOKS.values())]
+        return frozenset(
+            name
+            for name in wanted
+            if lib.btf__find_by_name_kind(btf, f"btf_trace_{name}".encode(), BTF_KIND_TYPEDEF) > 0
+        )
+    finally:
+        lib.btf__free(btf)
+
+
+def tracepoint_mode_for_kernel() -> str:
+    described = kernel_btf_tracepoints()
+    return "tp_btf" if all(tp in described for tp, _ in TRACEPOINT_HOOKS.values()) else "raw_tp"
+
+
+def send_mode_unavailable(mode: str) -> str | None:
+    """Why a send mode cannot work here without trying, or None when it is worth a try."""
+    if mode in TRACEPOINT_MODES and SEND_TRACEPOINT not in kernel_btf_tracepoints():
+        return f"this kernel has no sock:{SEND_TRACEPOINT} tracepoint (added in Linux 6.3)"
+    return None
+
+
 DEFAULT_OBJECT = Path(__file__).with_name("kvwatch.bpf.o")
 
 
@@ -38,6 +88,7 @@ class CollectorSettings:
     cgroup_id: int = 0
     max_sockets: int = 16384
     send_mode: str = "auto"
+    tracepoint_mode: str = "auto"
 
     def validate(self) -> None:
         if len(self.ports) > MAX_FILTER_PORTS:
@@ -53,6 +104,11 @@ class CollectorSettings:
             raise ConfigError(
                 f"unknown send hook mode {self.send_mode!r}",
                 f"use one of auto, {', '.join(SEND_MODES)}",
+            )
+        if self.tracepoint_mode not in ("auto", *TRACEPOINT_MODES):
+            raise ConfigError(
+                f"unknown tracepoint mode {self.tracepoint_mode!r}",
+                f"use one of auto, {', '.join(TRACEPOINT_MODES)}",
             )
 
 
@@ -90,7 +146,9 @@ def object_path() -> Path:
 class _OpenObject:
     """One bpf_object with a chosen send mode. Owns the object and its links until closed."""
 
-    def __init__(self, path: Path, settings: CollectorSettings, send_mode: str) -> None:
+    def __init__(
+        self, path: Path, settings: CollectorSettings, send_mode: str, tracepoint_mode: str
+    ) -> None:
         self.lib = libbpf()
         self.handle = check_ptr(
             self.lib.bpf_object__open_file(str(path).encode(), None), f"open {path}"
@@ -98,9 +156,9 @@ class _OpenObject:
         self.links: list[int] = []
         self.hooks: dict[str, str] = {}
         try:
-            self._configure(settings, send_mode)
+            self._configure(settings, send_mode, tracepoint_mode)
             check_rc(self.lib.bpf_object__load(self.handle), f"load BPF programs ({send_mode})")
-            self._attach_all(send_mode)
+            self._attach_all(send_mode, tracepoint_mode)
         except BaseException:
             self.close()
             raise
@@ -119,8 +177,8 @@ class _OpenObject:
     def map_fd(self, name: str) -> int:
         return check_rc(self.lib.bpf_map__fd(self.map_handle(name)), f"fd of map {name}")
 
-    def _configure(self, settings: CollectorSettings, send_mode: str) -> None:
-        wanted = {SEND_PROGRAMS[send_mode], *RAW_TP_PROGRAMS.values()}
+    def _configure(self, settings: CollectorSettings, send_mode: str, tracepoint_mode: str) -> None:
+        wanted = {send_program(send_mode), *tracepoint_programs(tracepoint_mode).values()}
         if send_mode in PROBE0_PROGRAMS:
             wanted.add(PROBE0_PROGRAMS[send_mode])
         prog = self.lib.bpf_object__next_program(self.handle, None)
@@ -163,10 +221,10 @@ class _OpenObject:
         self.links.append(link)
         self.hooks[hook] = mode
 
-    def _attach_all(self, send_mode: str) -> None:
-        self._attach("send", SEND_PROGRAMS[send_mode], send_mode)
-        for hook, program in RAW_TP_PROGRAMS.items():
-            self._attach(hook, program, "raw_tp")
+    def _attach_all(self, send_mode: str, tracepoint_mode: str) -> None:
+        self._attach("send", send_program(send_mode), send_mode)
+        for hook, program in tracepoint_programs(tracepoint_mode).items():
+            self._attach(hook, program, tracepoint_mode)
         self.hooks["zero_window_probe"] = "unavailable"
         if send_mode in PROBE0_PROGRAMS:
             try:
@@ -202,15 +260,24 @@ class BpfPrograms:
         log.info("%s", self.report.describe())
 
     def _load(self, path: Path, settings: CollectorSettings) -> _OpenObject:
+        tracepoint_mode = settings.tracepoint_mode
+        if tracepoint_mode == "auto":
+            tracepoint_mode = tracepoint_mode_for_kernel()
         modes = SEND_MODES if settings.send_mode == "auto" else (settings.send_mode,)
         for mode in modes:
+            unavailable = send_mode_unavailable(mode)
+            if unavailable:
+                self.report.rejected[mode] = unavailable
+                continue
             try:
-                return _OpenObject(path, settings, mode)
+                return _OpenObject(path, settings, mode, tracepoint_mode)
             except BpfError as exc:
                 self.report.rejected[mode] = exc.message
                 log.debug("send mode %s refused: %s", mode, exc.message)
         reasons = "; ".join(f"{mode}: {why}" for mode, why in self.report.rejected.items())
-        if "EPERM" in self.report.rejected.get("raw_tp", ""):
+        if any(
+            "EPERM" in why for mode, why in self.report.rejected.items() if mode in TRACEPOINT_MODES
+        ):
             raise BpfError(f"not allowed to load BPF programs ({reasons})", privilege_hint())
         if len(modes) == 1:
             raise BpfError(
@@ -224,7 +291,11 @@ class BpfPrograms:
 
     def program_fds(self) -> dict[str, int]:
         """fd of each attached program, by hook name."""
-        names = {"send": SEND_PROGRAMS[self.report.send_mode], **RAW_TP_PROGRAMS}
+        tracepoint_mode = self.report.hooks["ack"]
+        names = {
+            "send": send_program(self.report.send_mode),
+            **tracepoint_programs(tracepoint_mode),
+        }
         if self.report.hooks.get("zero_window_probe", "unavailable") != "unavailable":
             names["zero_window_probe"] = PROBE0_PROGRAMS[self.report.send_mode]
         return {

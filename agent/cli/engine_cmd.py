@@ -160,8 +160,8 @@ def command(**options: Any) -> None:
     resets the client's connection. Without an agent it runs normally. Stops on Ctrl-C/SIGTERM.
     """
     # torch and uvicorn load only when the engine runs, so `kvwatch --help` stays quick.
-    from kvwatch.engine.core import Engine  # noqa: PLC0415
-    from kvwatch.engine.server import EngineServer, attach_hook  # noqa: PLC0415
+    from kvwatch.engine.core import Engine
+    from kvwatch.engine.server import EngineServer, attach_hook
 
     logging.basicConfig(
         level=options["log_level"].upper(),

@@ -61,13 +61,24 @@ def scenario() -> Iterator[Scenario]:
         yield running
 
 
-@pytest.fixture
-def open_collector() -> Iterator[Callable[..., BpfCollector]]:
-    """Builds collectors with the given settings and closes every one at teardown."""
+# Both ways of reading kernel memory, on this kernel: BTF-typed programs with plain loads
+# (the best mode auto finds), and kprobe/raw_tp-style bpf_probe_read_kernel (raw tracepoints
+# throughout, as on kernels without tp_btf).
+READING_FLAVOURS = {
+    "btf": {"send_mode": "auto", "tracepoint_mode": "auto"},
+    "probed": {"send_mode": "raw_tp", "tracepoint_mode": "raw_tp"},
+}
+
+
+@pytest.fixture(params=sorted(READING_FLAVOURS))
+def open_collector(request: pytest.FixtureRequest) -> Iterator[Callable[..., BpfCollector]]:
+    """Builds collectors with the given settings, in each reading flavour, and closes every
+    one at teardown."""
     opened: list[BpfCollector] = []
+    flavour = READING_FLAVOURS[request.param]
 
     def build(**settings: object) -> BpfCollector:
-        collector = BpfCollector(CollectorSettings(**settings))  # type: ignore[arg-type]
+        collector = BpfCollector(CollectorSettings(**{**flavour, **settings}))  # type: ignore[arg-type]
         opened.append(collector)
         return collector
 

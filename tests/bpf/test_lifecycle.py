@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvwatch.bpf.collector import BpfCollector, SocketEvent
+from kvwatch.diag.snapshot import take_snapshot
 from kvwatch.scenario import Scenario
 from tests.bpf.conftest import EventLog, in_zero_window, server_side, wait_for, wait_for_server_side
 
@@ -93,3 +94,23 @@ def test_a_map_too_small_evicts_and_counts(
     assert stats["tracked"] <= 128
     assert stats["evictions"] >= 400 - 128
     assert stats["records_failed"] == 0
+
+
+def test_peer_window_agrees_with_the_kernels_tcp_info(
+    scenario: Scenario, open_collector: Callable[..., BpfCollector]
+) -> None:
+    """The window BPF computes from the ACK header (scaled by the peer's window scale) is the
+    one the kernel itself reports through tcp_info."""
+    collector = open_collector(ports=(scenario.port,))
+    client = scenario.connect("idle")
+    sample = wait_for_server_side(
+        collector, client.local_port, lambda s: s.peer_rwnd > 0, 2.0, "an open window"
+    )
+    diag = next(
+        entry
+        for entry in take_snapshot([scenario.port]).entries
+        if entry.remote.port == client.local_port
+    )
+    assert diag.tcp_info.snd_wnd is not None
+    assert sample.peer_rwnd > 65535, "the window scale was applied"
+    assert sample.peer_rwnd == diag.tcp_info.snd_wnd

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvwatch.bpf.loader import SEND_MODES, tracepoint_mode_for_kernel
 from kvwatch.errors import EXIT_PRIVILEGE
 from kvwatch.scenario import Scenario
 
@@ -111,11 +112,9 @@ def test_doctor_reports_this_kernels_modes_truthfully() -> None:
     assert report["ok"] is True
     assert checks["send hook: raw_tp"]["status"] == "ok"
     auto = checks["send hook (auto)"]["detail"]
-    best = next(
-        m for m in ("fentry", "kprobe", "raw_tp") if checks[f"send hook: {m}"]["status"] == "ok"
-    )
+    best = next(m for m in SEND_MODES if checks[f"send hook: {m}"]["status"] == "ok")
     assert auto == f"auto picks {best}"
-    assert checks["ack hook"]["detail"] == "raw_tp"
+    assert checks["ack hook"]["detail"] == tracepoint_mode_for_kernel() == "tp_btf"
 
 
 def test_doctor_without_privileges_exits_3_with_a_fix() -> None:
@@ -160,6 +159,6 @@ def test_require_bpf_turns_a_skip_into_a_failure() -> None:
         env={**env, "KVWATCH_REQUIRE_BPF": "1"},
         cwd=Path(__file__).parents[2],
     )
-    assert skipped.returncode == 0 and "1 skipped" in skipped.stdout, skipped.stdout
+    assert skipped.returncode == 0 and "2 skipped" in skipped.stdout, skipped.stdout
     assert required.returncode == 1, required.stdout
     assert "BPF test cannot run: not running as root" in required.stdout

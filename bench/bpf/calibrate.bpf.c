@@ -1,0 +1,64 @@
+// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+/*
+ * Reference programs for bench_collector: what the cheapest possible handlers cost on the
+ * machine under test, measured the same way as kvwatch's (kernel.bpf_stats_enabled), on the
+ * same tracepoint and traffic. Never shipped.
+ */
+#include <linux/types.h>
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64);
+	__type(value, __u64);
+} calibrate_map SEC(".maps");
+
+/* Nothing at all: the cost of being attached and measured. */
+SEC("tp_btf/tcp_probe")
+int BPF_PROG(calibrate_empty, void *sk)
+{
+	return 0;
+}
+
+/* One clock read, as every kvwatch handler does. */
+SEC("tp_btf/tcp_probe")
+int BPF_PROG(calibrate_clock, void *sk)
+{
+	return bpf_ktime_get_ns() == 0;
+}
+
+/* One LRU hash lookup by socket, as every kvwatch handler does. */
+SEC("tp_btf/tcp_probe")
+int BPF_PROG(calibrate_lookup, void *sk)
+{
+	__u64 key = (__u64)sk, zero = 0;
+	__u64 *value = bpf_map_lookup_elem(&calibrate_map, &key);
+
+	if (!value)
+		bpf_map_update_elem(&calibrate_map, &key, &zero, BPF_NOEXIST);
+	return 0;
+}
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64);
+	__type(value, __u64);
+} calibrate_hash SEC(".maps");
+
+/* The same lookup in a plain hash map: what the LRU bookkeeping adds. */
+SEC("tp_btf/tcp_probe")
+int BPF_PROG(calibrate_hash_lookup, void *sk)
+{
+	__u64 key = (__u64)sk, zero = 0;
+	__u64 *value = bpf_map_lookup_elem(&calibrate_hash, &key);
+
+	if (!value)
+		bpf_map_update_elem(&calibrate_hash, &key, &zero, BPF_NOEXIST);
+	return 0;
+}

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from bench.common import RESULTS, write_result
 from kvwatch.bpf.collector import BpfCollector
-from kvwatch.bpf.loader import CollectorSettings
 from kvwatch.bpf.libbpf import check_ptr, check_rc, libbpf
+from kvwatch.bpf.loader import CollectorSettings
 from kvwatch.bpf.runstats import ProgramRunStats, program_run_stats, set_stats_enabled
 
 CONNECTIONS = 64

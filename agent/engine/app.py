@@ -8,7 +8,6 @@ fills and (in coupled mode) the engine stops advancing the request, which keeps 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -30,7 +29,7 @@ from kvwatch.engine.openai_api import (
     parse_request,
     request_id,
 )
-from kvwatch.engine.output import FINISH_ABORT, Finish
+from kvwatch.engine.output import FINISH_ABORT, FINISH_ERROR, Finish
 from kvwatch.engine.requests import (
     EngineOverloadedError,
     EngineUnavailableError,
@@ -40,7 +39,7 @@ from kvwatch.engine.requests import (
 )
 from kvwatch.errors import KvwatchError
 
-_log = logging.getLogger("kvwatch.engine")
+MAX_BODY_BYTES = 1 << 20
 
 
 class StreamObserver(Protocol):
@@ -56,9 +55,10 @@ class StreamObserver(Protocol):
 
 
 class StreamAnnouncer:
-    """Forwards stream events to an optional observer, never an update before its open.
+    """Forwards stream events to an optional observer: open, updates, close, in that order.
 
-    Thread-safe: `kv_changed` runs on the engine thread, the rest on the event loop."""
+    Thread-safe: `kv_changed` runs on the engine thread, the rest on the event loop. The lock
+    is held across the observer's calls, which never block (the hook only queues)."""
 
     def __init__(self, observer: StreamObserver | None) -> None:
         self._observer = observer
@@ -69,25 +69,22 @@ class StreamAnnouncer:
         server, client = scope.get("server"), scope.get("client")
         if self._observer is None or not server or not client or server[1] is None:
             return
-        with self._lock:
+        with self._lock:  # held across the call: no update can overtake the open
             self._open.add(request_id)
-        self._observer.stream_opened(
-            request_id, (server[0], server[1]), (client[0], client[1]), kv_blocks
-        )
+            self._observer.stream_opened(
+                request_id, (server[0], server[1]), (client[0], client[1]), kv_blocks
+            )
 
     def kv_changed(self, request_id: str, kv_blocks: int, tokens_out: int) -> None:
         with self._lock:
-            is_open = request_id in self._open
-        if is_open and self._observer is not None:
-            self._observer.stream_updated(request_id, kv_blocks, tokens_out)
+            if self._observer is not None and request_id in self._open:
+                self._observer.stream_updated(request_id, kv_blocks, tokens_out)
 
     def closed(self, request_id: str, reason: str) -> None:
         with self._lock:
-            if request_id not in self._open:
-                return
-            self._open.discard(request_id)
-        if self._observer is not None:
-            self._observer.stream_closed(request_id, reason)
+            if self._observer is not None and request_id in self._open:
+                self._open.discard(request_id)
+                self._observer.stream_closed(request_id, reason)
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -167,9 +164,7 @@ class SseStream:
 
 
 def _close_reason(finish: Finish) -> str:
-    if finish.reason == FINISH_ABORT:
-        return "aborted"
-    return "finished" if finish.reason in ("stop", "length") else "error"
+    return {FINISH_ABORT: "aborted", FINISH_ERROR: "error"}.get(finish.reason, "finished")
 
 
 class EngineRoutes:
@@ -201,7 +196,7 @@ class EngineRoutes:
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         try:
             parsed = parse_request(
-                parse_json_object(await request.body()),
+                parse_json_object(await _read_body(request)),
                 chat=chat,
                 model=self.engine.description.model,
                 max_tokens_limit=self.engine.config.max_tokens_limit,
@@ -247,6 +242,15 @@ class EngineRoutes:
             )
         except (RequestRejectedError, EngineOverloadedError, EngineUnavailableError) as exc:
             raise _engine_error(exc) from exc
+
+
+async def _read_body(request: Request) -> bytes:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    return bytes(body)
 
 
 class _AsgiResponse(Response):

@@ -234,10 +234,11 @@ class Engine:
             _log.exception("engine thread failed")
             with self._lock:
                 self.error = exc
-            self._end_all(FINISH_ERROR, f"engine failed: {exc}")
+            # The block tables may be what broke: end every stream without touching them.
+            self._end_all(FINISH_ERROR, f"engine failed: {exc}", free_blocks=False)
         else:
-            self._end_all(FINISH_ABORT, "engine stopped")
-        self._stats = self._publish(self._stats.steps, time.monotonic())
+            self._end_all(FINISH_ABORT, "engine stopped", free_blocks=True)
+            self._stats = self._publish(self._stats.steps, time.monotonic())
 
     def _iterate(self) -> bool:
         """One step boundary and, when there is work, one step. False when stopping."""
@@ -319,9 +320,15 @@ class Engine:
             _call_safely(live.request.on_kv_change, 0, seq.num_generated)
         return freed
 
-    def _end_all(self, reason: str, detail: str) -> None:
+    def _end_all(self, reason: str, detail: str, *, free_blocks: bool) -> None:
+        """Ends every live request and fails every pending command; nothing is admitted after."""
         for live in list(self._live.values()):
-            self._finish(live, reason, detail=detail)
+            if free_blocks:
+                self._finish(live, reason, detail=detail)
+            else:
+                seq = live.seq
+                finish = Finish(reason, seq.num_prompt_tokens, seq.num_generated, detail=detail)
+                live.handle.channel.finish(finish)
         with self._lock:
             commands, self._inbox = self._inbox, []
             self._closed = True
@@ -344,7 +351,7 @@ class Engine:
         for request_id, live in self._live.items():
             blocks = self.kv.num_blocks_of(request_id)
             generated = live.seq.num_generated
-            live.handle.kv_blocks, live.handle.tokens_out = blocks, generated
+            live.handle.kv_blocks = blocks
             state = live.seq.status.value
             if live.seq.status is SeqStatus.RUNNING and not live.handle.channel.has_room():
                 state = "egress_blocked"

@@ -95,7 +95,7 @@ class EngineMetrics:
         )
         self.request_success = Counter(
             PREFIX + "request_success",
-            "Finished requests by finish reason (stop, length, abort, error).",
+            "Finished requests by finish reason: length, abort (cancelled or client gone), error.",
             ["finished_reason"],
             registry=self.registry,
         )

@@ -37,9 +37,6 @@ class ByteTokenizer:
     def decode_token(self, token_id: int) -> str:
         return chr(token_id) if token_id < 128 else ""
 
-    def decode(self, token_ids: list[int]) -> str:
-        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
-
     def output_token_ids(self) -> list[int]:
         return [10, *range(32, 127)]
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from kvwatch.engine.kv_cache import KvCacheInvariantError
 
-FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
@@ -80,10 +79,6 @@ class OutputChannel:
             if self._finish is None:
                 self._finish = finish
                 self._notify()
-
-    @property
-    def finished(self) -> Finish | None:
-        return self._finish
 
     def _notify(self) -> None:
         self._ready.notify_all()

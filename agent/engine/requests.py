@@ -64,15 +64,13 @@ class Completion:
 
 
 class RequestHandle:
-    """The submitter's view of a request: its output channel and its last published KV use.
-
-    `kv_blocks` and `tokens_out` are written by the engine thread and read by anyone."""
+    """The submitter's view of a request: its output channel and its KV blocks, as the engine
+    thread last published them (written there, read by anyone)."""
 
     def __init__(self, request_id: str, channel: OutputChannel) -> None:
         self.request_id = request_id
         self.channel = channel
         self.kv_blocks = 0
-        self.tokens_out = 0
 
     def collect(self, timeout_seconds: float) -> Completion:
         """Reads on this thread until the request finishes; TimeoutError after the timeout."""

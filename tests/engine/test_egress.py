@@ -115,3 +115,21 @@ def test_decoupled_frees_kv_at_finish_while_the_client_still_stalls(
         if line.startswith("data: {")
     ]
     assert len("".join(texts)) == 300
+
+
+def test_client_that_hangs_up_mid_stream_frees_its_request(
+    make_server: Callable[..., EngineServer],
+) -> None:
+    server = make_server(kv_blocks=POOL_BLOCKS, egress="coupled")
+    body = {"prompt": "bye", "max_tokens": 900, "stream": True}
+    with (
+        httpx.Client(base_url=server.url, timeout=10) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    # The client closed its connection (FIN): the engine aborts the request and frees it.
+    wait_until(lambda: not server.engine.stats().requests)
+    assert server.engine.stats().kv_blocks_used == 0
+    aborted = 'kvwatch_engine:request_success_total{finished_reason="abort"}'
+    assert metric_value(server, aborted) == 1.0

@@ -55,16 +55,17 @@ class MiniAgent:
         conn, _ = self.listener.accept()
         self.conn = conn
         framer = LineFramer(sender="engine")
-        while data := conn.recv(65536):
+        while data := conn.recv(65536):  # a reset by the hook ends the test agent too
             with self._cond:
                 self.messages.extend(m for m in framer.feed(data) if isinstance(m, Message))
                 self._cond.notify_all()
 
-    def wait_for(self, predicate: Callable[[Message], bool]) -> Message:
+    def wait_for(self, predicate: Callable[[Message], bool], what: str) -> Message:
         with self._cond:
-            assert self._cond.wait_for(
+            seen = self._cond.wait_for(
                 lambda: any(predicate(m) for m in self.messages), WAIT_SECONDS
-            ), self.messages
+            )
+            assert seen, f"agent never got {what}; it got {self.messages}"
             return next(m for m in reversed(self.messages) if predicate(m))
 
     def send(self, message: Message) -> None:
@@ -101,7 +102,7 @@ def test_agent_cancel_frees_the_stalled_request_and_resets_its_client(
     hooked_server: tuple[EngineServer, MiniAgent],
 ) -> None:
     server, agent = hooked_server
-    hello = agent.wait_for(lambda m: isinstance(m, Hello))
+    hello = agent.wait_for(lambda m: isinstance(m, Hello), "hello")
     assert isinstance(hello, Hello)
     assert hello.pid == os.getpid()
     assert hello.bytes_per_block == server.engine.description.bytes_per_block
@@ -110,7 +111,7 @@ def test_agent_cancel_frees_the_stalled_request_and_resets_its_client(
     body = json.dumps({"prompt": "stall", "max_tokens": 900, "stream": True}).encode()
     client = StalledClient(server.address, body, request_id="hooked")
     try:
-        opened = agent.wait_for(lambda m: isinstance(m, Open))
+        opened = agent.wait_for(lambda m: isinstance(m, Open), "open")
         assert isinstance(opened, Open)
         assert opened.request_id == "cmpl-hooked"
         assert opened.local == Endpoint(*client.sock.getpeername())
@@ -122,20 +123,24 @@ def test_agent_cancel_frees_the_stalled_request_and_resets_its_client(
 
         wait_until(lambda: pinned_blocks() > 0)
         blocks = pinned_blocks()
-        agent.wait_for(lambda m: isinstance(m, Update) and m.kv_blocks == blocks)
+        agent.wait_for(
+            lambda m: isinstance(m, Update) and m.kv_blocks == blocks, f"update to {blocks} blocks"
+        )
 
         agent.send(Cancel(request_id="cmpl-hooked", reason="stalled", correlation_id="c-1"))
-        answer = agent.wait_for(lambda m: isinstance(m, Cancelled))
+        answer = agent.wait_for(lambda m: isinstance(m, Cancelled), "cancelled")
         assert isinstance(answer, Cancelled)
         assert (answer.status, answer.freed_blocks) == ("cancelled", blocks)
         assert answer.correlation_id == "c-1"
         assert client.drain_until_closed() == "reset"
-        closed = agent.wait_for(lambda m: isinstance(m, Close))
+        closed = agent.wait_for(lambda m: isinstance(m, Close), "close")
         assert isinstance(closed, Close) and closed.reason == "cancelled"
         assert server.engine.stats().kv_blocks_used == 0
 
         agent.send(Cancel(request_id="cmpl-hooked", reason="stalled", correlation_id="c-2"))
-        again = agent.wait_for(lambda m: isinstance(m, Cancelled) and m.correlation_id == "c-2")
+        again = agent.wait_for(
+            lambda m: isinstance(m, Cancelled) and m.correlation_id == "c-2", "second answer"
+        )
         assert isinstance(again, Cancelled) and again.status == "already_finished"
     finally:
         client.close()

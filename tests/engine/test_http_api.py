@@ -156,6 +156,23 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
+def test_oversized_body_is_refused(client: httpx.Client) -> None:
+    response = client.post("/v1/completions", json={"prompt": "x" * (1 << 20)})
+    assert response.status_code == 413
+    assert response.json()["error"]["message"]
+
+
+def test_seeded_sampling_repeats_and_seeds_differ(client: httpx.Client) -> None:
+    def sample(seed: int) -> str:
+        body = {"prompt": "roll", "max_tokens": 24, "temperature": 1.5, "seed": seed}
+        text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert isinstance(text, str)
+        return text
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+
+
 def test_wrong_method_and_unknown_path_get_json_errors(client: httpx.Client) -> None:
     assert client.get("/v1/completions").json()["error"]["message"]
     assert client.get("/v1/completions").status_code == 405

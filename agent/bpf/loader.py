@@ -257,7 +257,7 @@ class BpfPrograms:
         self.sockets_fd = self._object.map_fd("kv_sockets")
         self.events_fd = self._object.map_fd("kv_events")
         self.stats_fd = self._object.map_fd("kv_stats")
-        log.info("%s", self.report.describe())
+        log.debug("%s", self.report.describe())
 
     def _load(self, path: Path, settings: CollectorSettings) -> _OpenObject:
         tracepoint_mode = settings.tracepoint_mode

@@ -44,9 +44,16 @@ def main() -> None:
 
 
 def _register() -> None:
-    from kvwatch.cli import demo_cmd, doctor_cmd, engine_cmd, loadgen_cmd, sockets_cmd
+    from kvwatch.cli import (
+        demo_cmd,
+        doctor_cmd,
+        engine_cmd,
+        loadgen_cmd,
+        run_cmd,
+        sockets_cmd,
+    )
 
-    for module in (sockets_cmd, doctor_cmd, engine_cmd, loadgen_cmd, demo_cmd):
+    for module in (run_cmd, sockets_cmd, doctor_cmd, engine_cmd, loadgen_cmd, demo_cmd):
         main.add_command(module.command)
 
 

@@ -1,75 +1,78 @@
-"""`kvwatch demo`: the collector on a built-in loopback scenario.
-
-Until the daemon and the reference engine are joined (`kvwatch run`), the demo shows the
-kernel side on its own: a stalled, a slow-draining, an idle and a healthy client streaming
-from one loopback server, with the state each one gets over time.
-"""
+"""`kvwatch demo`: a stalled stream found in the kernel and its KV freed, before and after."""
 
 from __future__ import annotations
 
 import json
-import time
 
 import click
 from rich.console import Console
+from rich.table import Table
 
-from kvwatch.bpf.loader import CollectorSettings
-from kvwatch.collect import open_collector
-from kvwatch.scenario import CLIENT_KINDS, Scenario
-from kvwatch.states import StatePolicy, StreamState, classify
-from kvwatch.views import sockets_table
+from kvwatch.demo import DemoSettings, run_demo, summary_rows
 
 
 @click.command("demo")
 @click.option(
     "--seconds",
-    type=click.FloatRange(min=1),
-    default=8.0,
+    type=click.FloatRange(min=3),
+    default=15.0,
     show_default=True,
-    help="How long to watch the clients.",
+    help="Length of each phase.",
 )
 @click.option(
-    "--stall-seconds",
-    type=click.FloatRange(min=0.1),
-    default=3.0,
+    "--stalled",
+    type=click.IntRange(min=1),
+    default=3,
     show_default=True,
-    help="The stall threshold.",
+    help="Clients that stop reading after the first token.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
-def command(seconds: float, stall_seconds: float, as_json: bool) -> None:
-    """Show a stalled client found in the kernel, next to clients that must never be.
+@click.option(
+    "--healthy",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Clients that read as fast as they can.",
+)
+@click.option("--engine-port", type=click.IntRange(1, 65535), default=18000, show_default=True)
+@click.option("--agent-port", type=click.IntRange(1, 65535), default=19431, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def command(
+    seconds: float, stalled: int, healthy: int, engine_port: int, agent_port: int, as_json: bool
+) -> None:
+    """Run the reference engine with healthy, slow and stalled clients, twice.
 
-    Starts a loopback server and four clients (healthy, slow-draining, stalled, idle),
-    watches them with the BPF collector, and prints each client's states over time.
+    \b
+    1. The agent observes: it finds the stalled streams and logs what it would do, while
+       their requests keep their KV blocks and healthy requests queue behind them.
+    2. The agent enforces: each stalled request is cancelled through the engine hook
+       (its KV blocks freed, its client reset) ~2 s after its client stopped reading.
+    The slow-but-draining client must never be cancelled. Needs root (BPF).
     """
     console = Console(stderr=as_json)
-    policy = StatePolicy(stall_seconds=stall_seconds)
-    with Scenario() as scenario:
-        opened = open_collector(CollectorSettings(ports=(scenario.port,)))
-        console.print(f"[dim]{opened.note}[/dim]")
-        kinds = {scenario.connect(kind).local_port: kind for kind in CLIENT_KINDS}
-        seen: dict[str, list[str]] = {kind: [] for kind in CLIENT_KINDS}
-        deadline = time.monotonic() + seconds
-        try:
-            while time.monotonic() < deadline:
-                time.sleep(0.25)
-                now_ns = time.monotonic_ns()
-                samples = [s for s in opened.collector.samples() if s.remote.port in kinds]
-                for sample in samples:
-                    state = classify(sample, now_ns, policy).value
-                    history = seen[kinds[sample.remote.port]]
-                    if not history or history[-1] != state:
-                        history.append(state)
-            console.print(sockets_table(samples, now_ns, policy))
-        finally:
-            opened.collector.close()
-    outcome = {
-        kind: {"states": states, "stalled": StreamState.STALLED.value in states}
-        for kind, states in seen.items()
-    }
+    settings = DemoSettings(
+        seconds=seconds,
+        stalled=stalled,
+        healthy=healthy,
+        engine_port=engine_port,
+        agent_port=agent_port,
+    )
+    results = run_demo(settings, lambda line: console.print(f"[dim]{line}[/dim]"))
+    rows = summary_rows(results)
     if as_json:
-        click.echo(json.dumps(outcome, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    name: dict(zip(("observe", "enforce"), values, strict=True))
+                    for name, values in rows
+                },
+                indent=2,
+            )
+        )
         return
-    for kind in CLIENT_KINDS:
-        verdict = "STALLED — would be acted on" if outcome[kind]["stalled"] else "never stalled"
-        console.print(f"{kind:>8}: {' → '.join(seen[kind]) or '-'}   [bold]{verdict}[/bold]")
+    table = Table(title="kvwatch demo: stalled clients vs. the KV cache", header_style="bold")
+    table.add_column("")
+    table.add_column("agent observing (off)", justify="right")
+    table.add_column("agent enforcing (on)", justify="right")
+    for name, values in rows:
+        table.add_row(name, *values)
+    console.print(table)

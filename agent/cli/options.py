@@ -14,8 +14,15 @@ from kvwatch.states import StatePolicy
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def collector_options(func: F) -> F:
-    """--port, --pid, --backend, --send-hook, --max-sockets, --stall-seconds, --path.procfs."""
+def collector_options(with_defaults: bool = True) -> Callable[[F], F]:
+    """--port, --pid, --backend, --send-hook, --max-sockets, --stall-seconds, --path.procfs.
+
+    Without defaults (`kvwatch run`), an option the user did not give is None, so values from
+    the config file and the environment are not overridden."""
+
+    def default(value: object) -> dict[str, Any]:
+        return {"default": value, "show_default": True} if with_defaults else {"default": None}
+
     decorators = [
         click.option(
             "--port",
@@ -34,44 +41,43 @@ def collector_options(func: F) -> F:
         click.option(
             "--backend",
             type=click.Choice(BACKENDS),
-            default="auto",
-            show_default=True,
+            **default("auto"),
             help="core: BPF (CO-RE); diag: sock_diag polling, no BPF; "
             "auto: core when it loads, else diag, saying why.",
         ),
         click.option(
             "--send-hook",
             type=click.Choice(("auto", *SEND_MODES)),
-            default="auto",
-            show_default=True,
+            **default("auto"),
             help="Force the tcp_sendmsg hook mode (auto picks the best that attaches).",
         ),
         click.option(
             "--max-sockets",
             type=click.IntRange(min=1),
-            default=16384,
-            show_default=True,
+            **default(16384),
             help="Size of the in-kernel socket table (LRU; evictions are counted).",
         ),
         click.option(
             "--stall-seconds",
             type=click.FloatRange(min=0.1),
-            default=3.0,
-            show_default=True,
+            **default(3.0),
             help="Pending data with no ACK progress under a zero window or full "
             "send buffer for this long makes a stream `stalled`.",
         ),
         click.option(
             "--path.procfs",
             "procfs_root",
-            default="/proc",
-            show_default=True,
+            **default("/proc"),
             help="Where the host's /proc is mounted (a DaemonSet mounts it elsewhere).",
         ),
     ]
-    for decorator in reversed(decorators):
-        func = decorator(func)
-    return func
+
+    def apply(func: F) -> F:
+        for decorator in reversed(decorators):
+            func = decorator(func)
+        return func
+
+    return apply
 
 
 def collector_settings(

@@ -17,7 +17,7 @@ from kvwatch.views import socket_json, sockets_table
 
 
 @click.command("sockets")
-@collector_options
+@collector_options()
 @click.option(
     "--state",
     "states",

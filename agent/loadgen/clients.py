@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import os
 import socket
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvwatch.loadgen.http import (
@@ -19,6 +21,8 @@ from kvwatch.loadgen.http import (
     ResponseError,
     ResponseParser,
     SseParser,
+    Target,
+    build_request,
     parse_chunk,
 )
 from kvwatch.loadgen.report import ClassStats, Outcome, RequestRecord
@@ -33,12 +37,21 @@ RESET_ERRNOS = (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED)
 
 @dataclass(frozen=True)
 class Connection:
-    """Where and what to send: resolved address plus the prebuilt request bytes."""
+    """Where and what to send: the resolved address and the request to build. Each request
+    carries X-Request-Id `<class>-<run>-<n>` (e.g. `stalled-3f2a9c-17`), unique per run."""
 
     family: int
     address: SocketAddress
-    request: bytes
+    target: Target
+    path: str
+    body: dict[str, Any]
     endpoint: Endpoint
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    counter: itertools.count[int] = field(default_factory=itertools.count)
+
+    def request(self, client_class: str) -> bytes:
+        request_id = f"{client_class}-{self.run_id}-{next(self.counter)}"
+        return build_request(self.target, "POST", self.path, self.body, request_id)
 
 
 @dataclass(frozen=True)
@@ -69,7 +82,7 @@ async def stream_request(conn: Connection, stats: ClassStats, behaviour: Behavio
         if behaviour.rcvbuf_bytes:  # before connect, so the window scale stays small
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, behaviour.rcvbuf_bytes)
         await loop.sock_connect(sock, conn.address)
-        await loop.sock_sendall(sock, conn.request)
+        await loop.sock_sendall(sock, conn.request(stats.name))
         record.outcome = await _read_response(sock, conn, stats, record, behaviour)
     except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
         record.outcome = "reset"

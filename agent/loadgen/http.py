@@ -60,8 +60,15 @@ class Target:
         return f"{self.api_prefix}/{'chat/completions' if endpoint == 'chat' else 'completions'}"
 
 
-def build_request(target: Target, method: str, path: str, body: dict[str, Any] | None) -> bytes:
-    """One HTTP/1.1 request that asks the server to close the connection after the response."""
+def build_request(
+    target: Target,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    request_id: str | None = None,
+) -> bytes:
+    """One HTTP/1.1 request that asks the server to close the connection after the response.
+    `request_id` goes out as X-Request-Id, so server-side logs name the client class."""
     payload = json.dumps(body).encode() if body is not None else b""
     lines = [
         f"{method} {path} HTTP/1.1",
@@ -70,6 +77,8 @@ def build_request(target: Target, method: str, path: str, body: dict[str, Any] |
         "Accept: text/event-stream, application/json",
         "Connection: close",
     ]
+    if request_id is not None:
+        lines.append(f"X-Request-Id: {request_id}")
     if body is not None:
         lines += ["Content-Type: application/json", f"Content-Length: {len(payload)}"]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload

@@ -92,7 +92,7 @@ async def run_load(
         model = plan.model or await _first_model(target, probe, plan.connect_timeout_seconds)
     body = completion_body(plan.endpoint, model, plan.prompt, plan.max_tokens)
     path = target.path(plan.endpoint)
-    conn = Connection(family, address, build_request(target, "POST", path, body), plan.endpoint)
+    conn = Connection(family, address, target, path, body, plan.endpoint)
     stats = {name: ClassStats(name, plan.clients(name)) for name in CLIENT_CLASSES}
     started = loop.time()
 

@@ -1,0 +1,172 @@
+"""`kvwatch run`: the agent daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import click
+
+from kvwatch.cli.options import collector_options
+from kvwatch.config import load_config, split_listen
+from kvwatch.daemon.api import api_server
+from kvwatch.daemon.core import Daemon
+from kvwatch.errors import KvwatchError
+
+log = logging.getLogger("kvwatch")
+
+
+async def serve(daemon: Daemon) -> None:
+    """Runs the daemon and its HTTP API until SIGINT/SIGTERM."""
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, daemon.stop)
+    host, port = split_listen(daemon.config.http.listen)
+    server = api_server(daemon, host, port)
+    try:
+        await daemon.start()
+        api = asyncio.create_task(server.serve())
+        while not server.started:
+            if api.done():
+                raise KvwatchError(
+                    f"the HTTP API could not listen on {host}:{port}",
+                    "pick another address with --listen",
+                ) from api.exception()
+            await asyncio.sleep(0.01)
+        log.info(
+            "kvwatch agent ready: mode=%s, http://%s:%d, engine hook %s",
+            daemon.config.policy.mode,
+            host,
+            port,
+            daemon.config.hook.socket,
+        )
+        await daemon.run()
+        server.should_exit = True
+        await api
+    finally:
+        await daemon.close()
+
+
+@click.command("run")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML config file (see docs/configuration.md). Flags override it, and "
+    "KVWATCH_* environment variables sit in between.",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["observe", "enforce"]),
+    default=None,
+    help="observe (default): decide and log, touch nothing. enforce: act.",
+)
+@click.option(
+    "--action",
+    "actions",
+    type=click.Choice(["cancel", "reset"]),
+    multiple=True,
+    help="What to do to a stalled stream (repeatable): cancel through the engine "
+    "hook (frees its KV), reset its TCP connection (SOCK_DESTROY).",
+)
+@click.option(
+    "--min-kv-bytes",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Act only on requests holding at least this much KV cache.",
+)
+@click.option(
+    "--grace-seconds",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Never act on a stream younger than this.",
+)
+@click.option(
+    "--max-cancels-per-minute",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Budget of actions per rolling minute.",
+)
+@collector_options(with_defaults=False)
+@click.option(
+    "--hook-socket",
+    default=None,
+    help="Unix socket engines connect to [default: /run/kvwatch/engine.sock].",
+)
+@click.option(
+    "--allowed-uid",
+    "allowed_uids",
+    type=click.IntRange(min=0),
+    multiple=True,
+    help="uid allowed to connect as an engine (repeatable; root always is).",
+)
+@click.option("--listen", default=None, help="HTTP API address [default: 127.0.0.1:9431].")
+@click.option(
+    "--audit-log",
+    default=None,
+    help="Audit log file, JSON lines [default: /var/log/kvwatch/audit.jsonl]; empty: stdout only.",
+)
+@click.option("-v", "--verbose", count=True, help="More log detail (-vv: libbpf's too).")
+def command(
+    config_path: str | None,
+    mode: str | None,
+    actions: tuple[str, ...],
+    min_kv_bytes: int | None,
+    grace_seconds: float | None,
+    max_cancels_per_minute: int | None,
+    ports: tuple[int, ...],
+    pid: int | None,
+    backend: str | None,
+    send_hook: str | None,
+    max_sockets: int | None,
+    stall_seconds: float | None,
+    procfs_root: str | None,
+    hook_socket: str | None,
+    allowed_uids: tuple[int, ...],
+    listen: str | None,
+    audit_log: str | None,
+    verbose: int,
+) -> None:
+    """Run the agent: watch streams, join them with engine requests, act on stalls.
+
+    \b
+    Every decision goes to the audit log with its evidence. Nothing is touched unless
+    --mode enforce is given (or policy.mode = "enforce" in the config).
+
+    \b
+    Examples:
+      kvwatch run --port 8000                         observe the engine on port 8000
+      kvwatch run --port 8000 --mode enforce --action cancel
+      kvwatch run --config /etc/kvwatch/kvwatch.toml
+    """
+    logging.basicConfig(
+        level=logging.DEBUG if verbose > 1 else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if verbose < 2:
+        logging.getLogger("kvwatch.libbpf").setLevel(logging.WARNING)
+    overrides = {
+        "policy.mode": mode,
+        "policy.actions": actions or None,
+        "policy.stall_seconds": stall_seconds,
+        "policy.min_kv_bytes": min_kv_bytes,
+        "policy.grace_seconds": grace_seconds,
+        "policy.max_cancels_per_minute": max_cancels_per_minute,
+        "collector.ports": ports or None,
+        "collector.pid": pid,
+        "collector.backend": backend,
+        "collector.send_hook": send_hook,
+        "collector.max_sockets": max_sockets,
+        "hook.socket": hook_socket,
+        "hook.allowed_uids": allowed_uids or None,
+        "http.listen": listen,
+        "audit.path": audit_log,
+        "path.procfs": procfs_root,
+    }
+    config = load_config(
+        config_path, os.environ, {k: v for k, v in overrides.items() if v is not None}
+    )
+    asyncio.run(serve(Daemon(config)))

@@ -1,0 +1,1 @@
+"""The kvwatch agent daemon: the engine-hook server, the join, policy and actions."""

@@ -1,0 +1,89 @@
+"""What the agent does to a stalled stream: cancel it through the engine hook (the engine
+frees its KV blocks, two-phase) and/or reset its TCP connection with SOCK_DESTROY (for
+engines without the hook: vLLM, TGI and Triton abort a request whose connection dies)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwatch.daemon.hook_server import HookServer
+from kvwatch.daemon.join import StreamView
+from kvwatch.diag.destroy import DestroyResult, destroy_socket
+from kvwatch.diag.snapshot import DiagClient
+from kvwatch.errors import KvwatchError
+from kvwatch.netns import network_namespace_of
+from kvwatch.sockets import Endpoint
+
+CANCEL_TIMEOUT_SECONDS = 2.0
+
+
+@dataclass
+class ActionTally:
+    """Counts of actions by (action, reason, result) and the KV bytes reclaimed."""
+
+    outcomes: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    reclaimed_kv_bytes: int = 0
+    reclaimed_kv_blocks: int = 0
+
+
+def reset_in_namespace(pid: int, local: Endpoint, remote: Endpoint, procfs_root: str) -> str:
+    """Finds the socket's cookie and destroys it, inside `pid`'s network namespace. Blocking:
+    runs on the reset worker thread (netlink sockets are per namespace, setns per thread)."""
+    with network_namespace_of(pid, procfs_root), DiagClient() as client:
+        snapshot = client.snapshot([local.port])
+        cookie = next(
+            (e.cookie for e in snapshot.entries if e.local == local and e.remote == remote), None
+        )
+        if cookie is None:
+            return "not_found"
+        result = destroy_socket(local, remote, cookie)
+        return "reset" if result is DestroyResult.DESTROYED else "not_found"
+
+
+class Actions:
+    """Carries out decisions. Owns one worker thread for resets; used from the event loop."""
+
+    def __init__(self, hooks: HookServer, procfs_root: str) -> None:
+        self.hooks = hooks
+        self.procfs_root = procfs_root
+        self.tally = ActionTally()
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwatch-reset")
+
+    async def cancel(
+        self, view: StreamView, reason: str, evidence: dict[str, Any]
+    ) -> dict[str, Any]:
+        assert view.engine is not None, "cancel needs an engine-announced stream"
+        outcome = await self.hooks.cancel(
+            view.engine.request_id, reason, evidence, timeout_seconds=CANCEL_TIMEOUT_SECONDS
+        )
+        self.tally.outcomes["cancel", reason, outcome.status] += 1
+        if outcome.status == "cancelled":
+            self.tally.reclaimed_kv_bytes += outcome.freed_bytes
+            self.tally.reclaimed_kv_blocks += outcome.freed_blocks
+        return {
+            "status": outcome.status,
+            "freed_blocks": outcome.freed_blocks,
+            "freed_bytes": outcome.freed_bytes,
+            "detail": outcome.detail,
+        }
+
+    async def reset(self, view: StreamView, reason: str) -> dict[str, Any]:
+        pid = view.engine.engine_pid if view.engine is not None else view.sample.pid
+        sample = view.sample
+        loop = asyncio.get_running_loop()
+        try:
+            status = await loop.run_in_executor(
+                self._worker, reset_in_namespace, pid, sample.local, sample.remote, self.procfs_root
+            )
+            detail = ""
+        except KvwatchError as exc:
+            status, detail = "failed", str(exc)
+        self.tally.outcomes["reset", reason, status] += 1
+        return {"status": status, "detail": detail}
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,81 @@
+"""The agent's HTTP API: /metrics, /api/v1/streams, /api/v1/events, /healthz (Starlette on
+uvicorn, inside the daemon's event loop)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvwatch.daemon.core import Daemon
+from kvwatch.exporters import agent_registry
+
+
+def build_app(daemon: Daemon) -> Starlette:
+    registry = agent_registry(daemon)
+    policy = daemon.state_policy
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def streams(_: Request) -> JSONResponse:
+        return JSONResponse([view.to_json(policy) for view in daemon.stream_views()])
+
+    async def events(request: Request) -> JSONResponse:
+        try:
+            since = int(request.query_params.get("since", "0"))
+        except ValueError:
+            return JSONResponse({"error": "since must be an integer event id"}, status_code=400)
+        return JSONResponse([e for e in daemon.decider.events if e["id"] > since])
+
+    async def health(_: Request) -> JSONResponse:
+        opened = daemon.opened
+        bpf = daemon.bpf
+        return JSONResponse(
+            {
+                "status": "ok",
+                "mode": daemon.config.policy.mode,
+                "backend": opened.backend if opened else None,
+                "collector": opened.note if opened else None,
+                "hooks": bpf.report.hooks if bpf is not None else {},
+                "engines": daemon.hooks.engines(),
+                "uptime_seconds": round((time.monotonic_ns() - daemon.started_ns) / 1e9, 1),
+                "gpu": daemon.gpus.available,
+            }
+        )
+
+    return Starlette(
+        routes=[
+            Route("/metrics", metrics),
+            Route("/api/v1/streams", streams),
+            Route("/api/v1/events", events),
+            Route("/healthz", health),
+        ]
+    )
+
+
+class ApiServer(uvicorn.Server):
+    """uvicorn without its signal handling: the daemon owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def api_server(daemon: Daemon, host: str, port: int) -> ApiServer:
+    config = uvicorn.Config(
+        build_app(daemon),
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="off",
+        access_log=False,
+    )
+    return ApiServer(config)

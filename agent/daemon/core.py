@@ -1,0 +1,245 @@
+"""`Daemon`: one asyncio process that runs the whole pipeline of DESIGN.md — collector, engine
+hook server, join, stall timers, policy, actions, audit log, exporters and the HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from prometheus_client import Histogram
+
+from kvwatch.audit import AuditLog
+from kvwatch.bpf.collector import BpfCollector, SocketEvent
+from kvwatch.bpf.loader import CollectorSettings
+from kvwatch.bpf.maps import EventRing
+from kvwatch.collect import MergedCollector, OpenedCollector, open_collector
+from kvwatch.config import AgentConfig
+from kvwatch.daemon.actions import Actions
+from kvwatch.daemon.decide import Decider
+from kvwatch.daemon.hook_registry import EngineStream
+from kvwatch.daemon.hook_server import HookServer
+from kvwatch.daemon.join import Joiner, StreamView
+from kvwatch.daemon.watch import StallWatch
+from kvwatch.gpu import GpuInventory, NvmlApi
+from kvwatch.procfs import Procfs
+from kvwatch.sockets import SocketSample
+from kvwatch.states import stall_since_ns
+
+log = logging.getLogger(__name__)
+
+BPF_SCAN_SECONDS = 1.0
+DIAG_SCAN_SECONDS = 0.5
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 120, 300, 600)
+
+
+def collector_settings(config: AgentConfig) -> CollectorSettings:
+    collector = config.collector
+    return CollectorSettings(
+        ports=collector.ports,
+        pid=collector.pid,
+        max_sockets=collector.max_sockets,
+        send_mode=collector.send_hook,
+    )
+
+
+class Daemon:
+    """Owns every part of the agent; all of them run on one event loop, except the collector
+    (its own thread: netlink and map reads block) and resets (their own thread: setns).
+    Invariant: a socket is looked at by the stall timers from its first edge event or scan
+    until it closes or its back-pressure ends."""
+
+    def __init__(self, config: AgentConfig, nvml: NvmlApi | None = None) -> None:
+        self.config = config
+        self.state_policy = config.policy.state_policy()
+        self.procfs = Procfs(config.path.procfs)
+        self.gpus = GpuInventory(nvml)
+        self.joiner = Joiner(self.procfs, self.gpus)
+        self.hooks = HookServer(
+            config.hook.socket, config.hook.allowed_uids, on_change=self._on_stream_change
+        )
+        self.actions = Actions(self.hooks, config.path.procfs)
+        self.audit = AuditLog(config.audit.path or None)
+        self.decider = Decider(config.policy, self.hooks, self.joiner, self.actions, self.audit)
+        self.watch = StallWatch(self.state_policy, self._read_sample, self._on_stalled)
+        self.history: deque[dict[str, Any]] = deque(maxlen=config.streams.history_size)
+        self.zero_window_seconds = Histogram(
+            "kvwatch_stream_zero_window_duration_seconds",
+            "Length of zero-window episodes of tracked sockets, in seconds.",
+            buckets=DURATION_BUCKETS,
+            registry=None,
+        )
+        self.stall_seconds = Histogram(
+            "kvwatch_stream_stall_duration_seconds",
+            "Length of stalls (from the start of the stall conditions to their end), in seconds.",
+            buckets=DURATION_BUCKETS,
+            registry=None,
+        )
+        self.opened: OpenedCollector | None = None
+        self.started_ns = time.monotonic_ns()
+        self._collect = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvwatch-collect"
+        )
+        self._ring: EventRing | None = None
+        self._samples: dict[int, SocketSample] = {}
+        self._samples_ns = 0
+        self._zero_window_started: dict[int, int] = {}
+        self._stalled_since: dict[int, int] = {}
+        self._live: dict[str, EngineStream] = {}
+        self._stop = asyncio.Event()
+
+    # -- start and stop ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Attaches the collector and opens the hook socket; the agent is ready after it."""
+        loop = asyncio.get_running_loop()
+        settings = collector_settings(self.config)
+        self.opened = await loop.run_in_executor(
+            self._collect,
+            open_collector,
+            settings,
+            self.config.collector.backend,
+            self.config.path.procfs,
+        )
+        log.info("%s", self.opened.note)
+        bpf = self.bpf
+        if bpf is not None:
+            self._ring = bpf.open_events(self._on_event)
+            loop.add_reader(self._ring.fileno(), self._ring.consume)
+        await self.hooks.start()
+        await self.scan()
+
+    async def run(self) -> None:
+        """Scans until `stop()`; edge events and timers drive decisions in between."""
+        interval = BPF_SCAN_SECONDS if self.bpf is not None else DIAG_SCAN_SECONDS
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._stop.wait(), interval)
+            except TimeoutError:
+                await self.scan()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def close(self) -> None:
+        self.watch.close()
+        if self._ring is not None:
+            asyncio.get_running_loop().remove_reader(self._ring.fileno())
+            self._ring.close()
+        await self.hooks.close()
+        self.actions.close()
+        if self.opened is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                self._collect, self.opened.collector.close
+            )
+        self._collect.shutdown(wait=True)
+        self.gpus.close()
+        self.audit.close()
+
+    # -- what the collector sees ---------------------------------------------------------
+
+    @property
+    def bpf(self) -> BpfCollector | None:
+        collector = self.opened.collector if self.opened is not None else None
+        if isinstance(collector, MergedCollector):
+            return collector.bpf
+        return collector if isinstance(collector, BpfCollector) else None
+
+    async def scan(self) -> None:
+        """A full read of the collector: refreshes the socket table and arms stall timers
+        for sockets under back-pressure that no edge event announced (restart, diag mode)."""
+        assert self.opened is not None
+        loop = asyncio.get_running_loop()
+        samples = await loop.run_in_executor(self._collect, self.opened.collector.samples)
+        self._samples = {sample.key: sample for sample in samples}
+        self._samples_ns = time.monotonic_ns()
+        for sample in samples:
+            if sample.zero_window or sample.sndbuf_full or sample.key in self._stalled_since:
+                self._observe(sample, self._samples_ns)
+        for key in set(self._stalled_since) - self._samples.keys():
+            self._end_stall(key, self._samples_ns)
+
+    def _read_sample(self, key: int) -> SocketSample | None:
+        bpf = self.bpf
+        fresh = bpf.sample(key) if bpf is not None else None
+        return fresh if fresh is not None else self._samples.get(key)
+
+    def samples(self) -> list[SocketSample]:
+        return list(self._samples.values())
+
+    def stream_views(self) -> list[StreamView]:
+        now_ns = time.monotonic_ns()
+        return [
+            self.joiner.view(s, self.hooks.find(s.local, s.remote), now_ns, self.state_policy)
+            for s in self._samples.values()
+        ]
+
+    # -- edges, stalls and engine streams ------------------------------------------------
+
+    def _on_event(self, event: SocketEvent) -> None:
+        sample, key = event.sample, event.sample.key
+        if event.kind == "zero_window_start":
+            self._zero_window_started[key] = event.ts_ns
+        elif event.kind == "zero_window_end":
+            started = self._zero_window_started.pop(key, None)
+            if started is not None:
+                self.zero_window_seconds.observe((event.ts_ns - started) / 1e9)
+        if event.kind == "close":
+            self._samples.pop(key, None)
+            self._zero_window_started.pop(key, None)
+            self.watch.forget(key)
+            self.decider.forget(key)
+            self._end_stall(key, event.ts_ns)
+            return
+        self._samples[key] = sample
+        self._observe(sample, event.ts_ns)
+
+    def _observe(self, sample: SocketSample, now_ns: int) -> None:
+        if self._stalled_since.get(sample.key, 0) not in (0, stall_since_ns(sample)):
+            self._end_stall(sample.key, now_ns)
+        self.watch.observe(sample)
+
+    async def _on_stalled(self, sample: SocketSample) -> float | None:
+        self._stalled_since.setdefault(sample.key, stall_since_ns(sample))
+        return await self.decider.on_stalled(sample)
+
+    def _end_stall(self, key: int, now_ns: int) -> None:
+        since = self._stalled_since.pop(key, None)
+        if since:
+            self.stall_seconds.observe(max(0.0, (now_ns - since) / 1e9))
+
+    def _on_stream_change(self, request_id: str, stream: EngineStream | None) -> None:
+        if stream is not None:
+            self._live[request_id] = stream
+            return
+        ended = self._live.pop(request_id, None)
+        if ended is not None:
+            self.history.append(self._finished(ended))
+
+    def _finished(self, stream: EngineStream) -> dict[str, Any]:
+        """A finished stream as the history keeps it: the request and its socket's last view."""
+        sample = next(
+            (
+                s
+                for s in self._samples.values()
+                if s.local == stream.local and s.remote == stream.remote
+            ),
+            None,
+        )
+        now_ns = time.monotonic_ns()
+        view = self.joiner.view(sample, stream, now_ns, self.state_policy) if sample else None
+        return {
+            "request_id": stream.request_id,
+            "closed_ns": now_ns,
+            "stream": view.to_json(self.state_policy)
+            if view
+            else {
+                "request_id": stream.request_id,
+                "local": str(stream.local),
+                "remote": str(stream.remote),
+                "kv_bytes": stream.kv_bytes,
+            },
+        }

@@ -1,0 +1,102 @@
+"""The join: one socket, the engine request behind it, its process and pod, its GPU memory."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvwatch.daemon.hook_registry import EngineStream
+from kvwatch.gpu import GpuInventory, GpuProcessUse
+from kvwatch.procfs import ProcessInfo, Procfs
+from kvwatch.sockets import SocketSample
+from kvwatch.states import StatePolicy, StreamState, classify
+from kvwatch.views import socket_json
+
+PROCESS_CACHE_SECONDS = 10.0
+GPU_CACHE_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class StreamView:
+    """Everything known about one stream at `now_ns`; the unit of policy, API and metrics."""
+
+    sample: SocketSample
+    state: StreamState
+    engine: EngineStream | None
+    process: ProcessInfo | None
+    gpus: tuple[GpuProcessUse, ...]
+    now_ns: int
+
+    @property
+    def kv_bytes(self) -> int | None:
+        return self.engine.kv_bytes if self.engine is not None else None
+
+    def to_json(self, policy: StatePolicy) -> dict[str, Any]:
+        """The `kvwatch streams --json` contract: the socket plus the join."""
+        row = socket_json(self.sample, self.now_ns, policy)
+        row["state"] = self.state.value
+        engine = self.engine
+        row.update(
+            request_id=engine.request_id if engine else None,
+            engine=engine.engine if engine else None,
+            engine_pid=engine.engine_pid if engine else None,
+            kv_blocks=engine.kv_blocks if engine else None,
+            kv_bytes=self.kv_bytes,
+            gpu=[
+                {"index": g.gpu_index, "uuid": g.uuid, "used_bytes": g.used_bytes}
+                for g in self.gpus
+            ]
+            or None,
+            cgroup=self.process.cgroup_path if self.process else None,
+            container_id=(self.process.container_id or None) if self.process else None,
+            pod_uid=(self.process.pod_uid or None) if self.process else None,
+        )
+        return row
+
+
+class Joiner:
+    """Builds StreamViews. Caches process identity (per pid) and GPU use (per snapshot) so a
+    view costs dictionary lookups; owned by the daemon's event loop."""
+
+    def __init__(self, procfs: Procfs, gpus: GpuInventory) -> None:
+        self.procfs = procfs
+        self.gpus = gpus
+        self._processes: dict[int, tuple[float, ProcessInfo | None]] = {}
+        self._gpu_taken = 0.0
+
+    def process(self, pid: int) -> ProcessInfo | None:
+        if pid <= 0:
+            return None
+        now = time.monotonic()
+        cached = self._processes.get(pid)
+        if cached is None or now - cached[0] > PROCESS_CACHE_SECONDS:
+            cached = (now, self.procfs.process(pid))
+            self._processes[pid] = cached
+        return cached[1]
+
+    def gpu_use(self, pid: int) -> tuple[GpuProcessUse, ...]:
+        if not self.gpus.available or pid <= 0:
+            return ()
+        now = time.monotonic()
+        if now - self._gpu_taken > GPU_CACHE_SECONDS:
+            self.gpus.snapshot()
+            self._gpu_taken = now
+        return tuple(self.gpus.process_gpu(pid))
+
+    def view(
+        self, sample: SocketSample, engine: EngineStream | None, now_ns: int, policy: StatePolicy
+    ) -> StreamView:
+        pid = engine.engine_pid if engine is not None else sample.pid
+        return StreamView(
+            sample=sample,
+            state=classify(sample, now_ns, policy),
+            engine=engine,
+            process=self.process(pid),
+            gpus=self.gpu_use(pid),
+            now_ns=now_ns,
+        )
+
+    def forget_processes(self) -> None:
+        """Drops cached identities (pids are reused); the daemon calls it now and then."""
+        self._processes.clear()

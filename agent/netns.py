@@ -1,0 +1,54 @@
+"""Entering another process's network namespace, for the calling thread only.
+
+A pod's sockets live in the pod's network namespace; sock_diag only sees the namespace the
+netlink socket was opened in. `setns(2)` switches the calling thread alone, so the agent
+does namespace work on a dedicated worker thread and returns to its own namespace after.
+Python 3.11 has no os.setns, hence the libc call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvwatch.errors import KvwatchError, PrivilegeError
+
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        code = ctypes.get_errno()
+        error = OSError(code, os.strerror(code))
+        raise PrivilegeError(
+            f"cannot enter a network namespace ({error})",
+            "the agent needs CAP_SYS_ADMIN to act on sockets in pods",
+        ) from error
+
+
+@contextlib.contextmanager
+def network_namespace_of(pid: int, procfs_root: str = "/proc") -> Iterator[None]:
+    """Runs the body in `pid`'s network namespace (no switch when it is already ours)."""
+    target_path = Path(procfs_root, str(pid), "ns", "net")
+    own_path = Path("/proc/thread-self/ns/net")
+    try:
+        if os.stat(target_path).st_ino == os.stat(own_path).st_ino:
+            yield
+            return
+        target = os.open(target_path, os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise KvwatchError(f"process {pid} is gone", "nothing to act on") from exc
+    own = os.open(own_path, os.O_RDONLY)
+    try:
+        _setns(target)
+        try:
+            yield
+        finally:
+            _setns(own)
+    finally:
+        os.close(target)
+        os.close(own)

@@ -1,0 +1,39 @@
+"""The agent itself: its CPU time, memory, and the engines connected over the hook."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psutil
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvwatch.daemon.core import Daemon
+
+_process = psutil.Process()
+
+
+def agent_metrics(daemon: Daemon) -> Iterator[Metric]:
+    cpu = _process.cpu_times()
+    yield CounterMetricFamily(
+        "kvwatch_agent_cpu_seconds",
+        "CPU time the agent used, in seconds.",
+        value=cpu.user + cpu.system,
+    )
+    yield GaugeMetricFamily(
+        "kvwatch_agent_resident_memory_bytes",
+        "Resident memory of the agent, in bytes.",
+        value=_process.memory_info().rss,
+    )
+    yield GaugeMetricFamily(
+        "kvwatch_hook_engines_connected",
+        "Engines connected over the hook socket.",
+        value=len(daemon.hooks.engines()),
+    )
+    messages = CounterMetricFamily(
+        "kvwatch_hook_events",
+        "Engine-hook protocol events by kind (messages, drops, refusals, cancels).",
+        labels=["event"],
+    )
+    for name, count in sorted(daemon.hooks.counters().items()):
+        messages.add_metric([name], count)
+    yield messages

@@ -1,0 +1,57 @@
+"""The kernel side: events, drops, evictions, tracked sockets and the mode each hook got."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+
+from kvwatch.bpf.runstats import program_run_stats
+from kvwatch.daemon.core import Daemon
+
+
+def bpf_metrics(daemon: Daemon) -> Iterator[Metric]:
+    backend = daemon.opened.backend if daemon.opened is not None else "none"
+    info = InfoMetricFamily("kvwatch_collector", "The socket collector in use.")
+    info.add_metric([], {"backend": backend})
+    yield info
+    bpf = daemon.bpf
+    if bpf is None:
+        return
+    attach = GaugeMetricFamily(
+        "kvwatch_bpf_hook_attached",
+        "1 for the mode each BPF hook attached with.",
+        labels=["hook", "mode"],
+    )
+    for hook, mode in bpf.report.hooks.items():
+        attach.add_metric([hook, mode], 1.0)
+    yield attach
+    stats = bpf.stats(tracked=len(daemon.samples()))
+    for name, help_text in (
+        ("events_sent", "Edge events sent over the ring buffer."),
+        ("events_dropped", "Edge events lost: the ring buffer was full."),
+        ("records_created", "Socket records created."),
+        ("records_deleted", "Socket records removed at close."),
+        ("records_failed", "Socket records that could not be created."),
+        ("evictions", "Socket records the LRU map dropped to make room."),
+    ):
+        yield CounterMetricFamily(f"kvwatch_bpf_{name}", help_text, value=stats[name])
+    yield GaugeMetricFamily(
+        "kvwatch_bpf_sockets_tracked", "Sockets with a kernel record.", value=stats["tracked"]
+    )
+    runs = CounterMetricFamily(
+        "kvwatch_bpf_program_runs",
+        "Runs of each BPF program (counted while kernel.bpf_stats_enabled=1).",
+        labels=["hook"],
+    )
+    run_time = CounterMetricFamily(
+        "kvwatch_bpf_program_run_seconds",
+        "Time spent in each BPF program, in seconds (counted while kernel.bpf_stats_enabled=1).",
+        labels=["hook"],
+    )
+    for hook, fd in bpf.programs.program_fds().items():
+        program = program_run_stats(fd)
+        runs.add_metric([hook], program.run_count)
+        run_time.add_metric([hook], program.run_time_ns / 1e9)
+    yield runs
+    yield run_time

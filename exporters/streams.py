@@ -1,0 +1,45 @@
+"""Streams by state, the KV cache they hold, and how long stalls and zero windows last.
+No per-stream labels: cardinality stays bounded however many streams there are."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from kvwatch.daemon.core import Daemon
+from kvwatch.states import StreamState
+
+
+def stream_metrics(daemon: Daemon) -> Iterator[Metric]:
+    views = daemon.stream_views()
+    counts: Counter[StreamState] = Counter(view.state for view in views)
+    kv_bytes: Counter[StreamState] = Counter()
+    for view in views:
+        kv_bytes[view.state] += view.kv_bytes or 0
+    streams = GaugeMetricFamily(
+        "kvwatch_streams", "Tracked TCP streams by state.", labels=["state"]
+    )
+    held = GaugeMetricFamily(
+        "kvwatch_streams_kv_held_bytes",
+        "KV cache held by the engine requests behind streams, by stream state, in bytes.",
+        labels=["state"],
+    )
+    for state in StreamState:
+        streams.add_metric([state.value], counts[state])
+        held.add_metric([state.value], kv_bytes[state])
+    yield streams
+    yield held
+    yield GaugeMetricFamily(
+        "kvwatch_streams_stalled_kv_held_bytes",
+        "KV cache held by requests whose client stalled, in bytes.",
+        value=kv_bytes[StreamState.STALLED],
+    )
+    yield GaugeMetricFamily(
+        "kvwatch_streams_engine_announced",
+        "Streams engines announced over the hook and still open.",
+        value=len(daemon.hooks.streams()),
+    )
+    yield from daemon.zero_window_seconds.collect()
+    yield from daemon.stall_seconds.collect()

@@ -1,0 +1,136 @@
+"""The loop the product exists for: a stalled stream seen in the kernel, joined to its
+request, cancelled by policy with its KV freed — and nothing healthy touched."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import STALL_SECONDS, Stack
+
+pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
+LATENCY_MARGIN_SECONDS = 0.5
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def test_enforce_cancels_every_stalled_stream_and_nothing_else(stack: Stack) -> None:
+    stack.start_engine()
+    stack.start_agent("--mode", "enforce")
+    idle = socket.create_connection(("127.0.0.1", stack.engine_port))  # never sends a request
+    try:
+        report = stack.load(seconds=8)
+    finally:
+        idle.close()
+    decisions = stack.audit_entries("decision")
+    outcomes = stack.audit_entries("outcome")
+    acted = [d for d in decisions if d["verdict"] == "act"]
+    assert acted, "the stalled streams were found"
+    assert all(d["request_id"].startswith("cmpl-stalled-") for d in decisions), decisions
+    for decision in acted:
+        assert decision["evidence"]["peer_rwnd"] == 0
+        assert decision["evidence"]["stalled_seconds"] < STALL_SECONDS + LATENCY_MARGIN_SECONDS
+    cancelled = {o["request_id"]: o for o in outcomes if o["result"]["status"] == "cancelled"}
+    assert set(cancelled) == {d["request_id"] for d in acted}
+    # A request the scheduler preempted holds no blocks when its cancel comes: freed 0.
+    assert sum(o["result"]["freed_blocks"] for o in cancelled.values()) > 0
+    assert report.classes["stalled"].reset >= 1, "the stalled clients saw a reset"
+    assert report.classes["healthy"].reset == 0
+    assert report.classes["slow"].reset == 0
+    assert report.classes["healthy"].finished >= 1
+    time.sleep(0.5)
+    engine_metrics = httpx.get(f"{stack.engine_url}/metrics").text
+    assert metric_value(engine_metrics, "kvwatch_engine:kv_cache_blocks_used") == 0
+    agent_metrics = httpx.get(f"{stack.agent_url}/metrics").text
+    assert metric_value(
+        agent_metrics, "kvwatch_actions_total", action="cancel", result="cancelled"
+    ) == len(cancelled)
+    assert metric_value(agent_metrics, "kvwatch_actions_reclaimed_kv_bytes_total") == sum(
+        o["result"]["freed_bytes"] for o in cancelled.values()
+    )
+
+
+def test_observe_mode_cancels_nothing_and_logs_would_cancel(stack: Stack) -> None:
+    stack.start_engine()
+    stack.start_agent()  # observe is the default
+    report = stack.load(seconds=6, healthy=1, slow=0)
+    decisions = stack.audit_entries("decision")
+    assert decisions and all(d["verdict"] == "would_act" for d in decisions)
+    assert all(d["request_id"].startswith("cmpl-stalled-") for d in decisions)
+    assert stack.audit_entries("outcome") == []
+    assert report.classes["stalled"].reset == 0
+
+
+def test_reset_alone_ends_the_stall_for_an_engine_without_the_hook(stack: Stack) -> None:
+    stack.start_engine("--no-kvwatch-hook")
+    stack.start_agent("--mode", "enforce", "--action", "reset")
+    report = stack.load(seconds=6, healthy=1, slow=0)
+    resets = [o for o in stack.audit_entries("outcome") if o["action"] == "reset"]
+    assert resets and all(o["result"]["status"] == "reset" for o in resets)
+    assert report.classes["stalled"].reset >= 1
+    engine_metrics = httpx.get(f"{stack.engine_url}/metrics").text
+    assert (
+        metric_value(
+            engine_metrics, "kvwatch_engine:request_success_total", finished_reason="abort"
+        )
+        >= 1
+    )
+
+
+def test_budget_and_deny_rules_hold(stack: Stack) -> None:
+    stack.start_engine()
+    stack.start_agent("--mode", "enforce", "--max-cancels-per-minute", "1")
+    stack.load(seconds=6, healthy=0, slow=0, stalled=3)
+    decisions = stack.audit_entries("decision")
+    assert [d["verdict"] for d in decisions].count("act") == 1
+    assert any(d["reason"] == "budget_exhausted" for d in decisions)
+
+
+def test_deny_rule_protects_a_port(stack: Stack) -> None:
+    stack.start_engine()
+    stack.start_agent(
+        "--mode", "enforce", env={"KVWATCH_POLICY_DENY_PORTS": str(stack.engine_port)}
+    )
+    report = stack.load(seconds=5, healthy=0, slow=0, stalled=1)
+    decisions = stack.audit_entries("decision")
+    assert decisions and all(d["reason"] == "denied_by_rule" for d in decisions)
+    assert report.classes["stalled"].reset == 0
+
+
+def test_agent_restart_rebuilds_state_and_still_acts(stack: Stack) -> None:
+    stack.start_engine()
+    first = stack.start_agent("--mode", "observe")
+    stalled = stack.spawn_stalled_client()
+    time.sleep(1.0)
+    first.stop()
+    stack.start_agent("--mode", "enforce")
+    started = time.monotonic()
+    joined = None
+    while time.monotonic() - started < 10:
+        streams = httpx.get(f"{stack.agent_url}/api/v1/streams").json()
+        joined = next(
+            (s for s in streams if (s["request_id"] or "").startswith("cmpl-held-")), None
+        )
+        if joined:
+            break
+        time.sleep(0.1)
+    assert joined is not None, "the engine re-announced its stream to the new agent"
+    assert time.monotonic() - started < 2.0, "state rebuilt within 2 s of the agent's start"
+    assert joined["state"] in ("zero_window", "stalled")
+    deadline = time.monotonic() + STALL_SECONDS + 3
+    while time.monotonic() < deadline and not stack.audit_entries("outcome"):
+        time.sleep(0.1)
+    outcomes = stack.audit_entries("outcome")
+    assert outcomes and outcomes[0]["result"]["status"] == "cancelled"
+    stalled.close()

@@ -81,6 +81,9 @@ class MergedCollector:
         self.owners = owners
         self.netns = current_netns()
         self.handover: dict[ConnectionKey, SocketSample] = {}
+        # The bootstrap snapshot is taken now, at attach time, so a socket that was already
+        # stalled is timed from the agent's start, not from its first report.
+        self.handover.update((connection_key(s), s) for s in diag.samples())
 
     @property
     def report(self) -> AttachReport:

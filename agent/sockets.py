@@ -94,6 +94,8 @@ class SocketSample:
     progress_ns: int
     first_seen_ns: int
     bytes_acked: int
+    first_send_ns: int = 0
+    first_acked_ns: int = 0
 
     @property
     def pending_bytes(self) -> int:

@@ -35,6 +35,8 @@ enum kv_stat {
 struct kv_sock_record {
 	__u64 sk;			/* kernel address of struct sock (the map key) */
 	__u64 first_seen_ns;		/* CLOCK_MONOTONIC, like every *_ns field */
+	__u64 first_send_ns;		/* the first write seen on the socket */
+	__u64 first_acked_ns;		/* the first ACK of data: the client got its first byte */
 	__u64 last_send_ns;
 	__u64 last_ack_ns;
 	__u64 progress_ns;		/* ACK point moved, or data became pending on an idle socket */

@@ -179,6 +179,8 @@ static __always_inline int KV_FN(kv_on_send)(struct sock *sk, long bytes, bool a
 		rec->tgid = tgid;
 		bpf_get_current_comm(&rec->comm, sizeof(rec->comm));
 	}
+	if (!rec->first_send_ns)
+		rec->first_send_ns = now;
 	rec->last_send_ns = now;
 	rec->send_calls++;
 	if (bytes > 0)

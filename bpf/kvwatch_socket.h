@@ -101,9 +101,14 @@ static __always_inline void kv_commit(struct kv_sock_record *rec, const struct k
 	bool was_pending = rec->write_seq != rec->snd_una;
 	bool pending = view->write_seq != view->snd_una;
 	bool zero_window = view->peer_rwnd == 0;
+	/* A new record holds no sequence numbers yet: its first view is not progress. */
+	bool fresh = !rec->snd_una && !rec->snd_nxt && !rec->write_seq;
+	bool advanced = !fresh && kv_seq_after(view->snd_una, rec->snd_una);
 
-	if (kv_seq_after(view->snd_una, rec->snd_una) || (pending && !was_pending))
+	if (advanced || (pending && !was_pending))
 		rec->progress_ns = now;
+	if (advanced && rec->first_send_ns && !rec->first_acked_ns)
+		rec->first_acked_ns = now;
 	rec->bytes_acked = view->bytes_acked;
 	rec->snd_una = view->snd_una;
 	rec->snd_nxt = view->snd_nxt;

@@ -51,6 +51,8 @@ def record_to_sample(record: KvSockRecord, observed_ns: int) -> SocketSample:
         progress_ns=record.progress_ns,
         first_seen_ns=record.first_seen_ns,
         bytes_acked=record.bytes_acked,
+        first_send_ns=record.first_send_ns,
+        first_acked_ns=record.first_acked_ns,
     )
 
 

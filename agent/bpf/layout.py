@@ -38,6 +38,8 @@ class KvSockRecord(ctypes.Structure):
     _fields_ = [
         ("sk", c_uint64),
         ("first_seen_ns", c_uint64),
+        ("first_send_ns", c_uint64),
+        ("first_acked_ns", c_uint64),
         ("last_send_ns", c_uint64),
         ("last_ack_ns", c_uint64),
         ("progress_ns", c_uint64),

@@ -45,15 +45,30 @@ def main() -> None:
 
 def _register() -> None:
     from kvwatch.cli import (
+        baseline_cmd,
         demo_cmd,
         doctor_cmd,
         engine_cmd,
+        explain_cmd,
         loadgen_cmd,
         run_cmd,
         sockets_cmd,
+        streams_cmd,
+        top_cmd,
     )
 
-    for module in (run_cmd, sockets_cmd, doctor_cmd, engine_cmd, loadgen_cmd, demo_cmd):
+    for module in (
+        run_cmd,
+        top_cmd,
+        sockets_cmd,
+        streams_cmd,
+        explain_cmd,
+        doctor_cmd,
+        baseline_cmd,
+        engine_cmd,
+        loadgen_cmd,
+        demo_cmd,
+    ):
         main.add_command(module.command)
 
 

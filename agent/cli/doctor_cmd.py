@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvwatch.doctor import checks_json, node_can_run_agent, run_checks
+from kvwatch.client import DEFAULT_AGENT_URL
+from kvwatch.doctor import HOOK_SOCKET, checks_json, node_can_run_agent, run_checks
 from kvwatch.errors import EXIT_PRIVILEGE
 
 STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "dim"}
@@ -23,15 +24,30 @@ STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "d
     "procfs_root",
     default="/proc",
     show_default=True,
-    help="Where the host's /proc is mounted.",
+    help="Where the host's /proc is mounted (sysctls are read under it too).",
 )
-def command(as_json: bool, procfs_root: str) -> None:
-    """Check this node: privileges, BTF, tracefs, libbpf, and which mode each BPF hook gets.
+@click.option(
+    "--url",
+    default=DEFAULT_AGENT_URL,
+    show_default=True,
+    help="The agent's HTTP API, asked whether the daemon answers and which engines it has.",
+)
+@click.option(
+    "--hook-socket",
+    default=HOOK_SOCKET,
+    show_default=True,
+    help="The engine-hook socket to inspect (the agent's --hook-socket).",
+)
+def command(as_json: bool, procfs_root: str, url: str, hook_socket: str) -> None:
+    """Check this node: privileges, BTF, tracefs, libbpf, which mode each BPF hook gets,
+    NVML and GPUs, the backpressure sysctls, the daemon, the engine-hook socket and the
+    engines connected to it.
 
-    Every hook mode is tried for real (loaded, attached, detached). A failing line says how
-    to fix it. Exit code 3 when the node cannot run the agent's BPF collector.
+    Every hook mode is tried for real (loaded, attached, detached). A failing or warning
+    line says how to fix it. No GPU or no daemon is not a failure. Exit code 3 when the node
+    cannot run the agent.
     """
-    checks = run_checks(procfs_root)
+    checks = run_checks(procfs_root, url, hook_socket)
     if as_json:
         click.echo(json.dumps(checks_json(checks), indent=2))
     else:

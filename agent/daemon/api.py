@@ -35,6 +35,30 @@ def build_app(daemon: Daemon) -> Starlette:
             return JSONResponse({"error": "since must be an integer event id"}, status_code=400)
         return JSONResponse([e for e in daemon.decider.events if e["id"] > since])
 
+    async def explain(request: Request) -> JSONResponse:
+        request_id = request.path_params["request_id"]
+        timeline = daemon.timelines.find(request_id)
+        if timeline is None:
+            return JSONResponse(
+                {
+                    "error": f"no stream with request id {request_id!r} is live or in the "
+                    f"history of the last {daemon.timelines.history_size} streams"
+                },
+                status_code=404,
+            )
+        body = timeline.to_json()
+        if not timeline.closed:
+            view = next(
+                (
+                    v
+                    for v in daemon.stream_views()
+                    if v.engine is not None and v.engine.request_id == request_id
+                ),
+                None,
+            )
+            body["stream"] = view.to_json(policy) if view is not None else body["stream"]
+        return JSONResponse(body)
+
     async def health(_: Request) -> JSONResponse:
         opened = daemon.opened
         bpf = daemon.bpf
@@ -56,6 +80,7 @@ def build_app(daemon: Daemon) -> Starlette:
             Route("/metrics", metrics),
             Route("/api/v1/streams", streams),
             Route("/api/v1/events", events),
+            Route("/api/v1/explain/{request_id:path}", explain),
             Route("/healthz", health),
         ]
     )

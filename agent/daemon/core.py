@@ -7,8 +7,6 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections import deque
-from typing import Any
 
 from prometheus_client import Histogram
 
@@ -23,6 +21,7 @@ from kvwatch.daemon.decide import Decider
 from kvwatch.daemon.hook_registry import EngineStream
 from kvwatch.daemon.hook_server import HookServer
 from kvwatch.daemon.join import Joiner, StreamView
+from kvwatch.daemon.timeline import Timelines, connection_id
 from kvwatch.daemon.watch import StallWatch
 from kvwatch.gpu import GpuInventory, NvmlApi
 from kvwatch.procfs import Procfs
@@ -63,9 +62,11 @@ class Daemon:
         )
         self.actions = Actions(self.hooks, config.path.procfs)
         self.audit = AuditLog(config.audit.path or None)
-        self.decider = Decider(config.policy, self.hooks, self.joiner, self.actions, self.audit)
+        self.timelines = Timelines(config.streams.history_size)
+        self.decider = Decider(
+            config.policy, self.hooks, self.joiner, self.actions, self.audit, self.timelines
+        )
         self.watch = StallWatch(self.state_policy, self._read_sample, self._on_stalled)
-        self.history: deque[dict[str, Any]] = deque(maxlen=config.streams.history_size)
         self.zero_window_seconds = Histogram(
             "kvwatch_stream_zero_window_duration_seconds",
             "Length of zero-window episodes of tracked sockets, in seconds.",
@@ -181,6 +182,7 @@ class Daemon:
 
     def _on_event(self, event: SocketEvent) -> None:
         sample, key = event.sample, event.sample.key
+        self.timelines.note_socket(sample, event.ts_ns, event.kind)
         if event.kind == "zero_window_start":
             self._zero_window_started[key] = event.ts_ns
         elif event.kind == "zero_window_end":
@@ -193,9 +195,29 @@ class Daemon:
             self.watch.forget(key)
             self.decider.forget(key)
             self._end_stall(key, event.ts_ns)
+            self.timelines.close(
+                connection_id(sample.local, sample.remote),
+                event.ts_ns,
+                self._last_view_json(sample),
+            )
             return
         self._samples[key] = sample
         self._observe(sample, event.ts_ns)
+
+    def _last_view_json(self, sample: SocketSample) -> dict[str, object] | None:
+        """The stream as it was when its socket closed, if an engine announced it."""
+        engine = next(
+            (
+                s
+                for s in self._live.values()
+                if s.local == sample.local and s.remote == sample.remote
+            ),
+            None,
+        )
+        if engine is None:
+            return None
+        view = self.joiner.view(sample, engine, time.monotonic_ns(), self.state_policy)
+        return view.to_json(self.state_policy)
 
     def _observe(self, sample: SocketSample, now_ns: int) -> None:
         if self._stalled_since.get(sample.key, 0) not in (0, stall_since_ns(sample)):
@@ -203,7 +225,13 @@ class Daemon:
         self.watch.observe(sample)
 
     async def _on_stalled(self, sample: SocketSample) -> float | None:
-        self._stalled_since.setdefault(sample.key, stall_since_ns(sample))
+        since = stall_since_ns(sample)
+        if self._stalled_since.setdefault(sample.key, since) == since:
+            connection = connection_id(sample.local, sample.remote)
+            timeline = self.timelines.of(connection)
+            if not any(e["event"] == "stalled" for e in timeline.entries):
+                timeline.add(since, "stall_conditions_began")
+                timeline.add(since + self.state_policy.stall_ns, "stalled")
         return await self.decider.on_stalled(sample)
 
     def _end_stall(self, key: int, now_ns: int) -> None:
@@ -214,32 +242,12 @@ class Daemon:
     def _on_stream_change(self, request_id: str, stream: EngineStream | None) -> None:
         if stream is not None:
             self._live[request_id] = stream
+            self.timelines.bind(
+                connection_id(stream.local, stream.remote), request_id, stream.opened_ns
+            )
             return
         ended = self._live.pop(request_id, None)
         if ended is not None:
-            self.history.append(self._finished(ended))
-
-    def _finished(self, stream: EngineStream) -> dict[str, Any]:
-        """A finished stream as the history keeps it: the request and its socket's last view."""
-        sample = next(
-            (
-                s
-                for s in self._samples.values()
-                if s.local == stream.local and s.remote == stream.remote
-            ),
-            None,
-        )
-        now_ns = time.monotonic_ns()
-        view = self.joiner.view(sample, stream, now_ns, self.state_policy) if sample else None
-        return {
-            "request_id": stream.request_id,
-            "closed_ns": now_ns,
-            "stream": view.to_json(self.state_policy)
-            if view
-            else {
-                "request_id": stream.request_id,
-                "local": str(stream.local),
-                "remote": str(stream.remote),
-                "kv_bytes": stream.kv_bytes,
-            },
-        }
+            timeline = self.timelines.find(request_id)
+            if timeline is not None and not timeline.closed:
+                timeline.add(time.monotonic_ns(), "engine_closed_stream")

@@ -11,6 +11,7 @@ from kvwatch.config import PolicyConfig
 from kvwatch.daemon.actions import Actions
 from kvwatch.daemon.hook_server import HookServer
 from kvwatch.daemon.join import Joiner, StreamView
+from kvwatch.daemon.timeline import Timelines, connection_id
 from kvwatch.policy import CancelBudget, Candidate, Decision, decide
 from kvwatch.sockets import SocketSample
 from kvwatch.states import stall_since_ns
@@ -67,13 +68,12 @@ def evidence_of(view: StreamView, now_ns: int) -> dict[str, Any]:
 def candidate_of(view: StreamView, now_ns: int) -> Candidate:
     sample, engine, process = view.sample, view.engine, view.process
     since = stall_since_ns(sample)
-    opened_ns = engine.opened_ns if engine is not None else sample.first_seen_ns
     return Candidate(
         request_id=engine.request_id if engine is not None else None,
         state=view.state,
         stalled_seconds=(now_ns - since) / 1e9 if since else 0.0,
         kv_bytes=view.kv_bytes,
-        age_seconds=(now_ns - opened_ns) / 1e9,
+        age_seconds=(now_ns - view.opened_ns) / 1e9,
         local_port=sample.local.port,
         comm=process.comm if process is not None else sample.comm,
         cgroup_path=process.cgroup_path if process is not None else "",
@@ -97,6 +97,7 @@ class Decider:
         joiner: Joiner,
         actions: Actions,
         audit: AuditLog,
+        timelines: Timelines,
     ) -> None:
         self.policy = policy
         self.state_policy = policy.state_policy()
@@ -104,6 +105,7 @@ class Decider:
         self.joiner = joiner
         self.actions = actions
         self.audit = audit
+        self.timelines = timelines
         self.budget = CancelBudget(policy.max_cancels_per_minute)
         self.decisions: Counter[tuple[str, str]] = Counter()
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
@@ -127,6 +129,14 @@ class Decider:
         if self._last.get(sample.key) != (decision.verdict, decision.reason):
             self._last[sample.key] = (decision.verdict, decision.reason)
             entry = self.audit.record(decision, evidence_of(view, now_ns), request_id=request_id)
+            self.timelines.of(connection_id(sample.local, sample.remote)).add(
+                now_ns,
+                "decision",
+                verdict=decision.verdict,
+                reason=decision.reason,
+                actions=list(decision.actions),
+                evidence=entry["evidence"],
+            )
             self.add_event(
                 "decision",
                 request_id=request_id,
@@ -153,6 +163,10 @@ class Decider:
             else:
                 result = await self.actions.reset(view, decision.reason)
             self.audit.record_outcome(request_id, action, result)
+            event = "cancel_acknowledged" if action == "cancel" else "reset_done"
+            self.timelines.of(connection_id(view.sample.local, view.sample.remote)).add(
+                time.monotonic_ns(), event, **result
+            )
             self.add_event("outcome", request_id=request_id, action=action, **result)
 
     def forget(self, key: int) -> None:

@@ -29,6 +29,11 @@ class StreamView:
     now_ns: int
 
     @property
+    def opened_ns(self) -> int:
+        """When the stream began: the engine's announcement, else the socket's first sight."""
+        return self.engine.opened_ns if self.engine is not None else self.sample.first_seen_ns
+
+    @property
     def kv_bytes(self) -> int | None:
         return self.engine.kv_bytes if self.engine is not None else None
 
@@ -51,6 +56,7 @@ class StreamView:
             cgroup=self.process.cgroup_path if self.process else None,
             container_id=(self.process.container_id or None) if self.process else None,
             pod_uid=(self.process.pod_uid or None) if self.process else None,
+            age_seconds=round((self.now_ns - self.opened_ns) / 1e9, 3),
         )
         return row
 

@@ -48,7 +48,7 @@ def test_enforce_cancels_every_stalled_stream_and_nothing_else(stack: Stack) -> 
     assert report.classes["stalled"].reset >= 1, "the stalled clients saw a reset"
     assert report.classes["healthy"].reset == 0
     assert report.classes["slow"].reset == 0
-    assert report.classes["healthy"].finished >= 1
+    assert report.classes["healthy"].tokens > 0, "healthy streams kept streaming"
     time.sleep(0.5)
     engine_metrics = httpx.get(f"{stack.engine_url}/metrics").text
     assert metric_value(engine_metrics, "kvwatch_engine:kv_cache_blocks_used") == 0

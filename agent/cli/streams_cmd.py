@@ -1,0 +1,52 @@
+"""`kvwatch streams`: the running agent's streams, joined with engine requests."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvwatch.client import DEFAULT_AGENT_URL, get_json
+from kvwatch.states import StreamState
+from kvwatch.views import STATE_STYLES, human_bytes
+
+
+@click.command("streams")
+@click.option("--url", default=DEFAULT_AGENT_URL, show_default=True, help="The agent's HTTP API.")
+@click.option(
+    "--state",
+    "states",
+    type=click.Choice([s.value for s in StreamState]),
+    multiple=True,
+    help="Show only streams in this state (repeatable).",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the JSON contract: the `sockets` fields plus request_id, engine, "
+    "engine_pid, kv_blocks, kv_bytes, gpu.",
+)
+def command(url: str, states: tuple[str, ...], as_json: bool) -> None:
+    """List the streams the agent sees, with the engine request and KV behind each."""
+    rows = [r for r in get_json(url, "/api/v1/streams") if not states or r["state"] in states]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
+    for header in ("REQUEST", "CLIENT", "STATE", "KV", "STUCK"):
+        table.add_column(header, no_wrap=True)
+    for row in rows:
+        state = StreamState(row["state"])
+        kv = human_bytes(row["kv_bytes"]) if row["kv_bytes"] is not None else "-"
+        table.add_row(
+            row["request_id"] or "-",
+            row["remote"],
+            Text(state.value, style=STATE_STYLES[state]),
+            kv,
+            f"{row['no_progress_seconds']:.1f}s",
+        )
+    Console().print(table)

@@ -1,0 +1,122 @@
+"""`kvwatch top`: the streams the agent watches, live, worst first."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+from rich.console import Console
+
+from kvwatch.cli.options import collector_options, collector_settings, state_policy
+from kvwatch.client import DEFAULT_AGENT_URL
+from kvwatch.top.app import print_frame, run_live, run_piped
+from kvwatch.top.model import SORT_KEYS, STATE_SEVERITY, RowFilter
+from kvwatch.top.sources import DaemonSource, FrameSource, StandaloneSource
+
+
+@click.command("top")
+@click.option(
+    "--url",
+    default=DEFAULT_AGENT_URL,
+    show_default=True,
+    help="The agent's HTTP API to read streams, health and metrics from.",
+)
+@click.option(
+    "--standalone",
+    is_flag=True,
+    help="Load the socket collector in this process instead (no daemon needed; no engine "
+    "join, so no request IDs or KV). --backend, --send-hook, --max-sockets and "
+    "--stall-seconds apply only here.",
+)
+@collector_options()
+@click.option(
+    "--state",
+    "states",
+    type=click.Choice(STATE_SEVERITY),
+    multiple=True,
+    help="Show only streams in this state (repeatable).",
+)
+@click.option(
+    "--sort", type=click.Choice(SORT_KEYS), default="stuck", show_default=True, help="Row order."
+)
+@click.option("--once", is_flag=True, help="Print one frame and exit (for scripts).")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between refreshes.",
+)
+@click.option(
+    "--settle",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="With --standalone: seconds to observe before the first frame.",
+)
+def command(
+    url: str,
+    standalone: bool,
+    ports: tuple[int, ...],
+    pid: int | None,
+    backend: str,
+    send_hook: str,
+    max_sockets: int,
+    stall_seconds: float,
+    procfs_root: str,
+    states: tuple[str, ...],
+    sort: str,
+    once: bool,
+    interval: float,
+    settle: float,
+) -> None:
+    """Live view of every stream: state, send queue, peer window, request and KV held.
+
+    \b
+    Header: HBM used/total per GPU, KV held by stalled streams, cancels per minute, the
+    mode each BPF hook attached with, and the policy mode (observe/enforce).
+    Rows: PID/COMM, CONNECTION (:local port→remote), REQUEST, STATE, FILL (send queue
+    % of the send buffer), RWND (peer window), ZW (current zero-window time),
+    NSENT/UNACK (bytes not sent / sent, unacknowledged), SRTT, KV (blocks/size), AGE.
+    Columns are dropped, least important first, to fit the terminal width.
+    --port (either end of the connection), --pid and --state filter the rows.
+
+    \b
+    Keys (on a terminal):
+      s  next sort (stuck, state, kv, fill, age, port, pid)   r  reverse the order
+      t  next state filter (stalled, zero_window, ... , all)  c  clear the filters
+      p  filter by port: digits, then Enter (empty clears)    q  quit (or Ctrl-C)
+      i  filter by pid: digits, then Enter
+
+    \b
+    Piped (not a terminal) it prints plain frames, no control codes; --once prints one.
+    Examples:
+      kvwatch top                               the local agent, live
+      kvwatch top --state stalled --once        what is stalled now, for a script
+      kvwatch top --standalone --port 8000      no agent running on this node
+    """
+    view = RowFilter(ports=tuple(ports), pid=pid, states=tuple(states), sort=sort)
+    console = Console()
+    source: FrameSource
+    if standalone:
+        settings = collector_settings(ports, pid, send_hook, max_sockets)
+        standalone_source = StandaloneSource(
+            settings, backend, procfs_root, state_policy(stall_seconds)
+        )
+        Console(stderr=True).print(f"[dim]{standalone_source.note}[/dim]")
+        source = standalone_source
+        time.sleep(settle)
+    else:
+        source = DaemonSource(url)
+    try:
+        if once:
+            print_frame(source, view, console)
+        elif console.is_terminal and sys.stdin.isatty():
+            run_live(source, view, console, interval)
+        else:
+            run_piped(source, view, console, interval)
+    except KeyboardInterrupt:
+        return
+    finally:
+        source.close()

@@ -1,0 +1,129 @@
+"""Per-stream timelines for `kvwatch explain`: what happened to one connection, in order —
+accept, first byte from the engine, first byte to the client, zero-window episodes, stall,
+decision, cancel acknowledgement, close — kept live and for a while after the stream ends."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwatch.sockets import Endpoint, SocketSample
+
+ConnectionId = tuple[str, str]
+ENTRIES_PER_STREAM = 128
+# Messages about a connection can arrive just after its close (the cancel acknowledgement
+# comes after the engine reset the connection); they join the closed timeline.
+LATE_EVENTS_NS = 5_000_000_000
+
+
+def connection_id(local: Endpoint, remote: Endpoint) -> ConnectionId:
+    return (str(local), str(remote))
+
+
+@dataclass
+class Timeline:
+    """One connection's story. `request_id` is set once an engine announced it."""
+
+    connection: ConnectionId
+    request_id: str | None = None
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    last_stream: dict[str, Any] | None = None
+    closed_ns: int = 0
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_ns != 0
+
+    def add(self, ts_ns: int, event: str, **detail: Any) -> None:
+        if len(self.entries) < ENTRIES_PER_STREAM:
+            self.entries.append({"ts_ns": ts_ns, "event": event, **detail})
+
+    def to_json(self) -> dict[str, Any]:
+        ordered = sorted(self.entries, key=lambda e: e["ts_ns"])
+        start = ordered[0]["ts_ns"] if ordered else 0
+        return {
+            "request_id": self.request_id,
+            "local": self.connection[0],
+            "remote": self.connection[1],
+            "live": not self.closed,
+            "stream": self.last_stream,
+            "timeline": [
+                {**e, "offset_seconds": round((e["ts_ns"] - start) / 1e9, 6)} for e in ordered
+            ],
+        }
+
+
+class Timelines:
+    """Live timelines by connection, finished ones by request (the newest `history_size`).
+    Owned by the daemon's event loop. Invariant: a connection has at most one live timeline;
+    only timelines of announced requests are kept after close."""
+
+    def __init__(self, history_size: int) -> None:
+        self.history_size = history_size
+        self._live: dict[ConnectionId, Timeline] = {}
+        self._by_request: dict[str, ConnectionId] = {}
+        self._finished: OrderedDict[str, Timeline] = OrderedDict()
+        self._just_closed: OrderedDict[ConnectionId, Timeline] = OrderedDict()
+
+    def of(self, connection: ConnectionId) -> Timeline:
+        """The connection's live timeline, the one closed moments ago, or a new one."""
+        timeline = self._live.get(connection)
+        if timeline is not None:
+            return timeline
+        recent = self._just_closed.get(connection)
+        if recent is not None and time.monotonic_ns() - recent.closed_ns < LATE_EVENTS_NS:
+            return recent
+        timeline = self._live[connection] = Timeline(connection)
+        return timeline
+
+    def note_socket(self, sample: SocketSample, ts_ns: int, event: str, **detail: Any) -> None:
+        """A socket event; the first one also records accept and first bytes the kernel saw."""
+        timeline = self.of(connection_id(sample.local, sample.remote))
+        if not _has(timeline, "accepted"):
+            timeline.add(sample.first_seen_ns, "accepted")
+        if sample.first_send_ns and not _has(timeline, "first_byte_from_engine"):
+            timeline.add(sample.first_send_ns, "first_byte_from_engine")
+        if sample.first_acked_ns and not _has(timeline, "first_byte_to_client"):
+            timeline.add(sample.first_acked_ns, "first_byte_to_client")
+        timeline.add(ts_ns, event, **detail)
+
+    def bind(self, connection: ConnectionId, request_id: str, ts_ns: int) -> None:
+        if request_id in self._finished:
+            return
+        timeline = self.of(connection)
+        if timeline.request_id != request_id:
+            timeline.request_id = request_id
+            self._by_request[request_id] = connection
+            timeline.add(ts_ns, "engine_announced", request_id=request_id)
+
+    def close(self, connection: ConnectionId, ts_ns: int, stream: dict[str, Any] | None) -> None:
+        timeline = self._live.pop(connection, None)
+        if timeline is None:
+            return
+        timeline.add(ts_ns, "closed")
+        timeline.closed_ns = time.monotonic_ns()
+        timeline.last_stream = stream or timeline.last_stream
+        self._just_closed[connection] = timeline
+        while len(self._just_closed) > self.history_size:
+            self._just_closed.popitem(last=False)
+        if timeline.request_id is None:
+            return
+        self._by_request.pop(timeline.request_id, None)
+        self._finished[timeline.request_id] = timeline
+        while len(self._finished) > self.history_size:
+            self._finished.popitem(last=False)
+
+    def find(self, request_id: str) -> Timeline | None:
+        connection = self._by_request.get(request_id)
+        if connection is not None and connection in self._live:
+            return self._live[connection]
+        return self._finished.get(request_id)
+
+    def finished_count(self) -> int:
+        return len(self._finished)
+
+
+def _has(timeline: Timeline, event: str) -> bool:
+    return any(entry["event"] == event for entry in timeline.entries)

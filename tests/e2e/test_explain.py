@@ -1,0 +1,71 @@
+"""`kvwatch explain` and `kvwatch streams` against a live agent: the evidence chain of a
+cancelled request, in order, and the joined stream list."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.e2e.conftest import STALL_SECONDS, Stack
+
+pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
+CHAIN = [
+    "accepted",
+    "first_byte_from_engine",
+    "first_byte_to_client",
+    "zero_window_start",
+    "stall_conditions_began",
+    "stalled",
+    "decision",
+]
+# After the decision, in either order: the engine frees the blocks, answers and resets the
+# connection; the kernel's close can reach the agent before the engine's answer does.
+AFTER_DECISION = {"cancel_acknowledged", "closed"}
+
+
+def kvwatch(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvwatch.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_streams_then_explain_of_a_cancelled_request_shows_the_whole_chain(stack: Stack) -> None:
+    stack.start_engine()
+    stack.start_agent("--mode", "enforce")
+    client = stack.spawn_stalled_client("held-1")
+    row = None
+    while row is None:  # until the engine's hook (re)connected and announced the stream
+        listed = kvwatch("streams", "--json", "--url", stack.agent_url)
+        assert listed.returncode == 0, listed.stderr
+        row = next((r for r in json.loads(listed.stdout) if r["request_id"] == "cmpl-held-1"), None)
+    assert row["kv_blocks"] > 0 and row["engine"] == "kvwatch-reference"
+    assert row["local"] == f"127.0.0.1:{stack.engine_port}"
+    deadline = time.monotonic() + STALL_SECONDS + 5
+    chain: dict[str, object] = {}
+    while time.monotonic() < deadline:
+        result = kvwatch("explain", "cmpl-held-1", "--json", "--url", stack.agent_url)
+        chain = json.loads(result.stdout) if result.returncode == 0 else {}
+        if not chain.get("live", True):
+            break
+        time.sleep(0.2)
+    client.close()
+    events = [e["event"] for e in chain["timeline"]]  # type: ignore[index]
+    in_chain = [event for event in events if event in CHAIN]
+    assert sorted(set(in_chain), key=CHAIN.index) == CHAIN, events
+    assert [e for e in in_chain if e in ("stalled", "decision")] == ["stalled", "decision"]
+    assert "engine_announced" in events
+    assert set(events[events.index("decision") + 1 :]) >= AFTER_DECISION, events
+    text = kvwatch("explain", "cmpl-held-1", "--url", stack.agent_url)
+    assert text.returncode == 0
+    assert "engine acknowledged the cancel: cancelled" in text.stdout
+    assert "peer_rwnd=0" in text.stdout
+    missing = kvwatch("explain", "cmpl-nope", "--url", stack.agent_url)
+    assert missing.returncode == 1 and "no stream with request id" in missing.stderr

@@ -18,6 +18,15 @@ from typing import Any, ClassVar, Literal, get_type_hints
 from kvwatch.errors import ProtocolError
 from kvwatch.sockets import Endpoint
 
+
+class LineTooLongError(ProtocolError):
+    """A line over MAX_LINE_BYTES: counted and dropped by both sides."""
+
+
+class UnsupportedVersionError(ProtocolError):
+    """A message in a protocol version this side does not speak."""
+
+
 PROTOCOL_VERSION = 1
 MAX_LINE_BYTES = 64 * 1024
 MAX_ID_CHARS = 256
@@ -219,7 +228,7 @@ def decode(line: bytes | str, sender: Sender | None = None) -> Message:
     """Parses one line; with `sender`, also refuses messages the other side never sends."""
     raw = line.encode() if isinstance(line, str) else line
     if len(raw) > MAX_LINE_BYTES:
-        raise ProtocolError(
+        raise LineTooLongError(
             f"message of {len(raw)} bytes is over the {MAX_LINE_BYTES} byte line limit",
             _RECEIVED_HINT,
         )
@@ -254,7 +263,7 @@ def _message_class(body: dict[str, Any]) -> type[Message]:
     if version is None:
         raise ProtocolError("message has no protocol version field 'v'", _RECEIVED_HINT)
     if version != PROTOCOL_VERSION or isinstance(version, bool):
-        raise ProtocolError(
+        raise UnsupportedVersionError(
             f"protocol version {_preview(version)} is not supported; "
             f"this side speaks version {PROTOCOL_VERSION}",
             "run the same kvwatch version for the agent and the engine hook",
@@ -325,7 +334,7 @@ class LineFramer:
         if len(self._buffer) > MAX_LINE_BYTES:
             if not self._discarding:
                 results.append(
-                    ProtocolError(
+                    LineTooLongError(
                         f"line longer than the {MAX_LINE_BYTES} byte limit; discarded",
                         _RECEIVED_HINT,
                     )

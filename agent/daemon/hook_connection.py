@@ -24,8 +24,10 @@ from kvwatch.protocol import (
     ErrorMessage,
     Hello,
     LineFramer,
+    LineTooLongError,
     Message,
     Open,
+    UnsupportedVersionError,
     Update,
     Welcome,
     encode,
@@ -182,9 +184,9 @@ class EngineConnection:
 
     def _malformed(self, error: ProtocolError) -> None:
         self._counters.add("malformed_messages")
-        if _is_oversized(error):
+        if isinstance(error, LineTooLongError):
             self._counters.add("oversized_lines")
-        if not _is_version_mismatch(error):
+        if not isinstance(error, UnsupportedVersionError):
             _log.debug("engine connection %d: dropped: %s", self.connection_id, error)
             return
         self._counters.add("version_mismatches")
@@ -315,13 +317,3 @@ class EngineConnection:
 
 def _failed(request_id: str, detail: str) -> CancelOutcome:
     return CancelOutcome(request_id, "failed", 0, 0, detail=detail)
-
-
-def _is_oversized(error: ProtocolError) -> bool:
-    """The codec's two oversized-line errors (kvwatch.protocol words them so)."""
-    return error.message.startswith(("line longer than the ", "message of "))
-
-
-def _is_version_mismatch(error: ProtocolError) -> bool:
-    """The codec's unsupported-version error (kvwatch.protocol words it so)."""
-    return error.message.startswith("protocol version") and "is not supported" in error.message

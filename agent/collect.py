@@ -12,7 +12,7 @@ from typing import Literal, Protocol
 
 from kvwatch.bpf.collector import BpfCollector
 from kvwatch.bpf.loader import AttachReport, CollectorSettings
-from kvwatch.diag.snapshot import DiagClient, current_netns
+from kvwatch.diag.snapshot import DiagClient
 from kvwatch.diag.tracker import DiagTracker
 from kvwatch.errors import ConfigError, KvwatchError
 from kvwatch.procfs import Procfs, SocketOwners
@@ -79,7 +79,6 @@ class MergedCollector:
         self.bpf = bpf
         self.diag: DiagCollector | None = diag
         self.owners = owners
-        self.netns = current_netns()
         self.handover: dict[ConnectionKey, SocketSample] = {}
         # The bootstrap snapshot is taken now, at attach time, so a socket that was already
         # stalled is timed from the agent's start, not from its first report.
@@ -114,7 +113,7 @@ class MergedCollector:
 
     def _with_owner(self, sample: SocketSample) -> SocketSample:
         """BPF learns the owner at the first send; before that, /proc tells it by inode."""
-        if sample.pid or not sample.inode or sample.netns != self.netns:
+        if sample.pid or not sample.inode:  # socket inodes are unique across namespaces
             return sample
         pid = self.owners.resolve([sample.inode]).get(sample.inode)
         if pid is None:

@@ -42,6 +42,11 @@ def network_namespace_of(pid: int, procfs_root: str = "/proc") -> Iterator[None]
         target = os.open(target_path, os.O_RDONLY)
     except FileNotFoundError as exc:
         raise KvwatchError(f"process {pid} is gone", "nothing to act on") from exc
+    except PermissionError as exc:
+        raise PrivilegeError(
+            f"cannot open {target_path} ({exc.strerror})",
+            "the agent needs CAP_SYS_PTRACE to reach another process's network namespace",
+        ) from exc
     own = os.open(own_path, os.O_RDONLY)
     try:
         _setns(target)

@@ -4,7 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(clang llvm libbpf-dev libbpf1 bpftool iproute2 tmux procps)
+# clang/libbpf-dev build the BPF object; prometheus (promtool) and systemd (systemd-analyze)
+# check the exporter and the unit in tests; tmux drives `kvwatch top` in a real terminal.
+APT_PACKAGES=(clang llvm libbpf-dev libbpf1 bpftool iproute2 tmux procps util-linux
+              prometheus systemd)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -14,6 +14,7 @@ from kvwatch.config import load_config, split_listen
 from kvwatch.daemon.api import api_server
 from kvwatch.daemon.core import Daemon
 from kvwatch.errors import KvwatchError
+from kvwatch.sdnotify import Watchdog, notify
 
 log = logging.getLogger("kvwatch")
 
@@ -42,7 +43,17 @@ async def serve(daemon: Daemon) -> None:
             port,
             daemon.config.hook.socket,
         )
+        backend = daemon.opened.backend if daemon.opened is not None else "none"
+        notify(
+            f"READY=1\nSTATUS=watching streams, collector {backend}, "
+            f"mode {daemon.config.policy.mode}"
+        )
+        watchdog = Watchdog.from_env()
+        pinging = asyncio.create_task(watchdog.run()) if watchdog is not None else None
         await daemon.run()
+        notify("STOPPING=1")
+        if pinging is not None:
+            pinging.cancel()
         server.should_exit = True
         await api
     finally:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -49,7 +50,7 @@ def test_streams_then_explain_of_a_cancelled_request_shows_the_whole_chain(stack
     assert row["kv_blocks"] > 0 and row["engine"] == "kvwatch-reference"
     assert row["local"] == f"127.0.0.1:{stack.engine_port}"
     deadline = time.monotonic() + STALL_SECONDS + 5
-    chain: dict[str, object] = {}
+    chain: dict[str, Any] = {}
     while time.monotonic() < deadline:
         result = kvwatch("explain", "cmpl-held-1", "--json", "--url", stack.agent_url)
         chain = json.loads(result.stdout) if result.returncode == 0 else {}
@@ -57,7 +58,7 @@ def test_streams_then_explain_of_a_cancelled_request_shows_the_whole_chain(stack
             break
         time.sleep(0.2)
     client.close()
-    events = [e["event"] for e in chain["timeline"]]  # type: ignore[index]
+    events = [e["event"] for e in chain["timeline"]]
     in_chain = [event for event in events if event in CHAIN]
     assert sorted(set(in_chain), key=CHAIN.index) == CHAIN, events
     assert [e for e in in_chain if e in ("stalled", "decision")] == ["stalled", "decision"]

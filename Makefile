@@ -7,7 +7,7 @@ BPF_OBJ := agent/bpf/kvwatch.bpf.o
 BPF_SRC := $(wildcard bpf/*.c bpf/*.h)
 STAMP := $(VENV)/.kvwatch-installed
 
-.PHONY: setup bpf test demo bench lint clean
+.PHONY: setup bpf test demo bench lint clean kernel-matrix
 
 setup: $(STAMP) $(BPF_OBJ)
 
@@ -23,6 +23,10 @@ $(BPF_OBJ): $(BPF_SRC) | $(STAMP)
 test: setup
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
+# Boot other kernels in VMs, run the BPF scenarios in each attach mode, rewrite docs/kernel-matrix.md.
+kernel-matrix: setup
+	$(PY) -m scripts.kernel_matrix
+
 demo: setup
 	$(VENV)/bin/kvwatch demo
 
@@ -30,6 +34,9 @@ bench: setup
 	$(MAKE) -C bench/bpf
 	$(PY) -m bench.bench_collector
 	$(PY) -m bench.bench_engine
+	$(PY) -m bench.bench_stall_to_free
+	$(PY) -m bench.bench_rescue
+	$(PY) -m bench.bench_footprint
 
 # mypy cannot follow setuptools' package-dir mapping through an editable install, so it
 # reads the package through a small tree of links that spells the import names.

@@ -102,6 +102,8 @@ class MergedCollector:
         return [self._carried(sample) for sample in found] + waiting
 
     def _carried(self, sample: SocketSample) -> SocketSample:
+        if not self.handover:
+            return sample
         key = connection_key(sample)
         earlier = self.handover.get(key)
         if earlier is None:

@@ -24,7 +24,7 @@ def sndbuf_full(wmem_queued: int, sndbuf: int) -> bool:
     return 3 * wmem_queued > 2 * sndbuf
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     """One side of a TCP connection; `ip` is the textual address (no brackets)."""
 
@@ -53,7 +53,7 @@ class Endpoint:
         return cls(str(ipaddress.ip_address(host)), int(port))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SocketSample:
     """One TCP socket's send-side state at `observed_ns` (CLOCK_MONOTONIC nanoseconds).
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvwatch.bpf.layout import EVENT_NAMES, KvEvent, KvSockRecord
 from kvwatch.bpf.loader import AttachReport, BpfPrograms, CollectorSettings
-from kvwatch.bpf.maps import EventRing, read_record, read_records, read_stats
+from kvwatch.bpf.maps import EventRing, read_raw_records, read_record, read_stats
 from kvwatch.sockets import Endpoint, SocketSample, Source
 
 SEQ_MODULO = 1 << 32
@@ -77,15 +77,28 @@ class BpfCollector:
 
     def __init__(self, settings: CollectorSettings, object_path: Path | None = None) -> None:
         self.programs = BpfPrograms(settings, object_path)
+        self._converted: dict[int, tuple[bytes, SocketSample]] = {}
 
     @property
     def report(self) -> AttachReport:
         return self.programs.report
 
     def samples(self) -> list[SocketSample]:
-        records = read_records(self.programs.sockets_fd)
+        """Every tracked socket. Only records whose bytes changed since the last call are
+        converted again (on an idle node almost none are), so a sample's `observed_ns` is when
+        its record was last read changed."""
+        raw_records = read_raw_records(self.programs.sockets_fd)
         now_ns = time.monotonic_ns()
-        return [record_to_sample(record, now_ns) for record in records]
+        converted: dict[int, tuple[bytes, SocketSample]] = {}
+        for key, raw in raw_records.items():
+            previous = self._converted.get(key)
+            if previous is not None and previous[0] == raw:
+                converted[key] = previous
+            else:
+                record = KvSockRecord.from_buffer_copy(raw)
+                converted[key] = (raw, record_to_sample(record, now_ns))
+        self._converted = converted
+        return [sample for _, sample in converted.values()]
 
     def sample(self, key: int) -> SocketSample | None:
         record = read_record(self.programs.sockets_fd, key)
@@ -94,7 +107,7 @@ class BpfCollector:
     def stats(self, tracked: int | None = None) -> dict[str, int]:
         """Kernel-side counters; `evictions` are records the LRU map dropped to make room."""
         totals = read_stats(self.programs.stats_fd)
-        live = tracked if tracked is not None else len(read_records(self.programs.sockets_fd))
+        live = tracked if tracked is not None else len(read_raw_records(self.programs.sockets_fd))
         totals["tracked"] = live
         removed = totals["records_created"] - totals["records_deleted"] - live
         totals["evictions"] = max(0, removed)

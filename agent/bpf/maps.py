@@ -23,8 +23,9 @@ def read_record(map_fd: int, key: int) -> KvSockRecord | None:
     return record if rc == 0 else None
 
 
-def read_records(map_fd: int) -> list[KvSockRecord]:
-    """Every record in the socket map: batched where the kernel can (5.6+), else key by key."""
+def read_raw_records(map_fd: int) -> dict[int, bytes]:
+    """Every record in the socket map as raw bytes by key: batched where the kernel can
+    (5.6+), else key by key. Raw bytes let callers skip records that did not change."""
     try:
         return _read_batched(map_fd)
     except OSError as exc:
@@ -33,12 +34,13 @@ def read_records(map_fd: int) -> list[KvSockRecord]:
         return _read_key_by_key(map_fd)
 
 
-def _read_batched(map_fd: int) -> list[KvSockRecord]:
+def _read_batched(map_fd: int) -> dict[int, bytes]:
     lib = libbpf()
+    record_size = ctypes.sizeof(KvSockRecord)
     keys = (ctypes.c_uint64 * BATCH_RECORDS)()
     values = (KvSockRecord * BATCH_RECORDS)()
     token = ctypes.c_uint64()
-    records: list[KvSockRecord] = []
+    records: dict[int, bytes] = {}
     first = True
     while True:
         count = ctypes.c_uint32(BATCH_RECORDS)
@@ -53,24 +55,26 @@ def _read_batched(map_fd: int) -> list[KvSockRecord]:
         )
         first = False
         err = ctypes.get_errno() if rc < 0 else 0
-        records.extend(KvSockRecord.from_buffer_copy(values[i]) for i in range(count.value))
+        raw = ctypes.string_at(values, count.value * record_size)
+        for index, key in enumerate(keys[: count.value]):
+            records[key] = raw[index * record_size : (index + 1) * record_size]
         if rc < 0 and err == errno.ENOENT:
             return records
         if rc < 0:
             raise OSError(err, "bpf_map_lookup_batch")
 
 
-def _read_key_by_key(map_fd: int) -> list[KvSockRecord]:
+def _read_key_by_key(map_fd: int) -> dict[int, bytes]:
     lib = libbpf()
     key = ctypes.c_uint64()
     next_key = ctypes.c_uint64()
-    records: list[KvSockRecord] = []
+    records: dict[int, bytes] = {}
     previous = None
     while lib.bpf_map_get_next_key(map_fd, previous, ctypes.byref(next_key)) == 0:
         key.value = next_key.value
         record = read_record(map_fd, key.value)
         if record is not None:
-            records.append(record)
+            records[key.value] = bytes(record)
         previous = ctypes.byref(key)
     return records
 

@@ -1,7 +1,9 @@
-"""The `kvwatch` command line: one click group, one module per command."""
+"""The `kvwatch` command line: one click group, one module per command, imported only when
+its command runs (so `kvwatch run` does not carry the other commands' imports)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
@@ -9,9 +11,34 @@ import click
 from kvwatch import __version__
 from kvwatch.errors import KvwatchError
 
+# command name -> module in kvwatch.cli exposing `command`, in the order --help lists them
+COMMANDS = {
+    "run": "run_cmd",
+    "top": "top_cmd",
+    "sockets": "sockets_cmd",
+    "streams": "streams_cmd",
+    "explain": "explain_cmd",
+    "doctor": "doctor_cmd",
+    "baseline": "baseline_cmd",
+    "engine": "engine_cmd",
+    "loadgen": "loadgen_cmd",
+    "demo": "demo_cmd",
+}
+
 
 class KvwatchGroup(click.Group):
-    """Turns kvwatch errors into a one-line message and the contract's exit code."""
+    """Loads commands lazily and turns kvwatch errors into a one-line message and the
+    contract's exit code."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module = COMMANDS.get(cmd_name)
+        if module is None:
+            return None
+        command: click.Command = importlib.import_module(f"kvwatch.cli.{module}").command
+        return command
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -31,9 +58,12 @@ def main() -> None:
     \b
     Common tasks:
       kvwatch doctor            can this node run the agent? what is missing?
+      kvwatch run --port 8000   the agent (observe mode: decides and logs, touches nothing)
+      kvwatch top               live view of every stream during an incident
+      kvwatch explain ID        why the agent did (or did not) act on a request
       kvwatch sockets --port 8000
                                 per-socket send backpressure, live from the kernel
-      kvwatch demo              a stalled, a slow and an idle client, side by side
+      kvwatch demo              engine, healthy/slow/stalled clients and the agent, off then on
       kvwatch engine --egress coupled --kv-blocks 64
                                 the reference torch engine (OpenAI-compatible)
       kvwatch loadgen --healthy 8 --stalled 2
@@ -41,35 +71,3 @@ def main() -> None:
 
     Exit codes: 0 ok, 1 runtime error, 2 usage error, 3 missing privilege or kernel feature.
     """
-
-
-def _register() -> None:
-    from kvwatch.cli import (
-        baseline_cmd,
-        demo_cmd,
-        doctor_cmd,
-        engine_cmd,
-        explain_cmd,
-        loadgen_cmd,
-        run_cmd,
-        sockets_cmd,
-        streams_cmd,
-        top_cmd,
-    )
-
-    for module in (
-        run_cmd,
-        top_cmd,
-        sockets_cmd,
-        streams_cmd,
-        explain_cmd,
-        doctor_cmd,
-        baseline_cmd,
-        engine_cmd,
-        loadgen_cmd,
-        demo_cmd,
-    ):
-        main.add_command(module.command)
-
-
-_register()

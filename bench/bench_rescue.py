@@ -1,0 +1,312 @@
+"""Rescue: what stalled clients cost the healthy ones, and what the agent gives back.
+
+One engine (coupled egress, a small KV pool, small send buffers, long prompts: a stalled
+request pins its KV, as in `kvwatch demo`) and the same healthy load, in three
+configurations measured in one run:
+- clean: healthy clients only (the agent runs and finds nothing to do), measured first and
+         again last, so that drift from neighbours shows; the two are averaged;
+- off:   the same healthy clients, plus stalled clients arriving at random, agent observing;
+- on:    the same healthy and stalled clients (same arrival times), agent enforcing
+         (cancel through the engine hook).
+Healthy clients are a closed loop (each sends its next request when one ends). Stalled
+clients are other users: they arrive as a Poisson process at a third of the healthy request
+rate measured in the clean run, so one request in four is a stalled one ("25% stalled
+clients"); each reads its first token, stops reading and keeps its connection open until
+it is reset. Without the agent their requests pile up, each pinning its KV; with it, each
+is cancelled `stall_seconds` after it stalls.
+
+Measured per configuration: the healthy clients' tokens/s and TTFT (p50/p99; requests still
+waiting at the end count as lower bounds), and, from the engine's /metrics every 0.5 s, the
+KV blocks in use, the requests waiting and the preemptions; the engine's and the agent's CPU
+share and the machine's load average say how much CPU the engine had (on a shared 2-core
+machine, neighbours move the throughput more than anything measured here). Targets (issue
+4): with the agent, >= 90% of the clean throughput and TTFT p99 <= 1.5x clean.
+
+The pool is sized so that the clean load peaks at ~70% of it (6 x (601 + 256) tokens in
+16-token blocks = 324 of 450 blocks). With the agent, stalled requests still pin their KV
+from admission until `stall_seconds` after the client's window closes (~3 s here), so at
+any time about (stall rate x 3 s) of them hold blocks: the agent meets the targets when the
+pool has that headroom. Shorter healthy answers (higher request rate, so a higher stall
+rate) or a fuller pool leave less of it.
+
+Run as root: `python -m bench.bench_rescue` (or `make bench`). Writes
+bench/results/rescue.json and rescue.png.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS, write_result
+from bench.stack import Stack, engine_connection, stall_arrivals
+from kvwatch.demo import PROMPT, scrape
+from kvwatch.errors import KvwatchError
+from kvwatch.loadgen import LoadPlan, LoadReport, run_load
+from kvwatch.loadgen.report import ClassStats
+from kvwatch.loadgen.runner import ProgressCallback
+
+KV_BLOCKS = 450
+ENGINE_ARGS = (
+    "--model-size",
+    "tiny",
+    "--egress",
+    "coupled",
+    "--kv-blocks",
+    str(KV_BLOCKS),
+    "--sndbuf-bytes",
+    "8192",
+)
+HEALTHY_CLIENTS = 6
+STALLED_SHARE = 0.25  # of all requests
+HEALTHY_MAX_TOKENS = 256
+STALLED_MAX_TOKENS = 512  # a stalled stream blocks the engine's writes after ~140 tokens
+STALL_SECONDS = 2.0
+PHASE_SECONDS = 16.0
+WARMUP_SECONDS = 3.0
+DRAIN_SECONDS = 15.0
+SAMPLE_SECONDS = 0.5
+ENGINE = "kvwatch_engine:"
+TARGET_THROUGHPUT_RATIO = 0.90
+TARGET_TTFT_P99_RATIO = 1.5
+
+
+def engine_gauges(stack: Stack) -> dict[str, float]:
+    values = scrape(f"{stack.engine_url}/metrics")
+    return {
+        name: values.get(ENGINE + name, 0.0)
+        for name in (
+            "kv_cache_blocks_used",
+            "num_requests_waiting",
+            "num_requests_running",
+            "num_requests_egress_blocked",
+            "num_preemptions_total",
+        )
+    }
+
+
+def wait_drained(stack: Stack) -> None:
+    """Until the engine holds no blocks and runs nothing: the clients of a phase are gone."""
+    deadline = time.monotonic() + DRAIN_SECONDS
+    while time.monotonic() < deadline:
+        gauges = engine_gauges(stack)
+        if not gauges["kv_cache_blocks_used"] and not gauges["num_requests_running"]:
+            return
+        time.sleep(0.2)
+    raise KvwatchError(
+        f"the engine still holds KV blocks {DRAIN_SECONDS:g} s after the clients left",
+        f"read the engine's log in {stack.workdir}",
+    )
+
+
+async def load(
+    stack: Stack, seconds: float, stalls_per_second: float, on_progress: ProgressCallback
+) -> tuple[LoadReport, ClassStats | None]:
+    """The healthy clients for `seconds`, beside stalled ones arriving at random (0: none)."""
+    plan = LoadPlan(
+        url=stack.engine_url,
+        healthy=HEALTHY_CLIENTS,
+        duration_seconds=seconds,
+        prompt=PROMPT,
+        max_tokens=HEALTHY_MAX_TOKENS,
+    )
+    healthy = run_load(plan, on_progress=on_progress, progress_interval_seconds=SAMPLE_SECONDS)
+    if not stalls_per_second:
+        return await healthy, None
+    conn = engine_connection(stack.engine_url, PROMPT, STALLED_MAX_TOKENS)
+    stalled = stall_arrivals(conn, seconds, stalls_per_second)
+    return await asyncio.gather(healthy, stalled)
+
+
+def configuration(stack: Stack, name: str, stalls_per_second: float) -> dict[str, Any]:
+    """One configuration's load, and what the healthy clients and the engine saw."""
+    samples: list[dict[str, float]] = []
+    before, cpu_before = engine_gauges(stack), stack.cpu_seconds()
+    since_ns = time.monotonic_ns()
+    report, stalled = asyncio.run(
+        load(
+            stack, PHASE_SECONDS, stalls_per_second, lambda _: samples.append(engine_gauges(stack))
+        )
+    )
+    after, cpu_after = engine_gauges(stack), stack.cpu_seconds()
+    cpu_percent = {
+        f"{name}_cpu_percent_of_core": round(
+            100 * (cpu_after[name] - cpu_before[name]) / report.duration_seconds, 1
+        )
+        for name in cpu_after
+    }
+    cancels = [
+        e
+        for e in stack.audit_entries("outcome")
+        if e["monotonic_ns"] >= since_ns and e["result"]["status"] == "cancelled"
+    ]
+    wait_drained(stack)
+    healthy = report.classes["healthy"]
+
+    def mean(gauge: str) -> float:
+        return round(statistics.fmean(s[gauge] for s in samples), 1) if samples else 0.0
+
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else round(seconds * 1000, 1)
+
+    return {
+        "configuration": name,
+        "healthy_clients": HEALTHY_CLIENTS,
+        "stalls_per_second": round(stalls_per_second, 3),
+        "seconds": round(report.duration_seconds, 2),
+        "healthy_tokens_per_second": round(healthy.tokens_per_second, 1),
+        "healthy_requests": healthy.requests,
+        "healthy_requests_per_second": round(healthy.requests / report.duration_seconds, 3),
+        "healthy_ttft_p50_ms": ms(healthy.ttft_seconds.p50),
+        "healthy_ttft_p99_ms": ms(healthy.ttft_seconds.p99),
+        "healthy_ttft_censored": healthy.ttft_censored,
+        "healthy_itl_p99_ms": ms(healthy.itl_seconds.p99),
+        "stalled_requests": stalled.requests if stalled else 0,
+        "stalled_reset": stalled.outcomes["reset"] if stalled else 0,
+        "cancels": len(cancels),
+        "freed_kv_blocks": sum(e["result"]["freed_blocks"] for e in cancels),
+        "mean_kv_blocks_used": mean("kv_cache_blocks_used"),
+        "peak_kv_blocks_used": max((s["kv_cache_blocks_used"] for s in samples), default=0.0),
+        "mean_requests_waiting": mean("num_requests_waiting"),
+        "mean_requests_egress_blocked": mean("num_requests_egress_blocked"),
+        "preemptions": after["num_preemptions_total"] - before["num_preemptions_total"],
+        **cpu_percent,
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    }
+
+
+def agent_args(mode: str) -> list[str]:
+    return ["--mode", mode, "--stall-seconds", str(STALL_SECONDS), "--grace-seconds", "0"]
+
+
+def clean_reference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """The clean numbers the others are compared with: the mean of the runs before and after."""
+    return {
+        key: round((before[key] + after[key]) / 2, 1)
+        for key in ("healthy_tokens_per_second", "healthy_ttft_p99_ms")
+    }
+
+
+def ratios(row: dict[str, Any], clean: dict[str, float]) -> dict[str, float]:
+    return {
+        "throughput_ratio": round(
+            row["healthy_tokens_per_second"] / clean["healthy_tokens_per_second"], 3
+        ),
+        "ttft_p99_ratio": round(row["healthy_ttft_p99_ms"] / clean["healthy_ttft_p99_ms"], 3),
+    }
+
+
+def measure() -> dict[str, Any]:
+    """clean, off (observing agent), then on, then clean again (enforcing agent): the clean
+    runs bracket the others, so a neighbour's load that comes and goes shows as their gap."""
+    with tempfile.TemporaryDirectory(prefix="kvwatch-bench-") as tmp, Stack(Path(tmp)) as stack:
+        stack.start_engine(*ENGINE_ARGS)
+        observing = stack.start_agent(*agent_args("observe"), audit="audit-observe.jsonl")
+        stack.wait_engine_connected()
+        asyncio.run(load(stack, WARMUP_SECONDS, 0, lambda _: None))
+        wait_drained(stack)
+        before = configuration(stack, "clean", 0)
+        # One stalled request for every three healthy ones: 25% of all requests.
+        rate = before["healthy_requests_per_second"] * STALLED_SHARE / (1 - STALLED_SHARE)
+        off = configuration(stack, "off", rate)
+        stack.stop(observing)
+        stack.start_agent(*agent_args("enforce"), audit="audit-enforce.jsonl")
+        stack.wait_engine_connected()
+        on = configuration(stack, "on", rate)
+        after = configuration(stack, "clean", 0)
+    clean = clean_reference(before, after)
+    on_vs_clean = ratios(on, clean)
+    return {
+        "engine_args": list(ENGINE_ARGS),
+        "prompt_bytes": len(PROMPT.encode()),
+        "healthy_max_tokens": HEALTHY_MAX_TOKENS,
+        "stalled_max_tokens": STALLED_MAX_TOKENS,
+        "stall_seconds": STALL_SECONDS,
+        "stalled_share_of_requests": STALLED_SHARE,
+        "configurations": [before, off, on, after],
+        "clean_reference": clean,
+        "on_vs_clean": on_vs_clean,
+        "off_vs_clean": ratios(off, clean),
+        "targets": {
+            "on_throughput_ratio_min": TARGET_THROUGHPUT_RATIO,
+            "on_ttft_p99_ratio_max": TARGET_TTFT_P99_RATIO,
+        },
+        "met": {
+            "throughput": on_vs_clean["throughput_ratio"] >= TARGET_THROUGHPUT_RATIO,
+            "ttft_p99": on_vs_clean["ttft_p99_ratio"] <= TARGET_TTFT_P99_RATIO,
+        },
+    }
+
+
+def plot(result: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, clean = result["configurations"], result["clean_reference"]
+    labels = {
+        "clean": ("clean\n(no stalls)", "grey"),
+        "off": ("25% stalled\nagent off", "tab:red"),
+        "on": ("25% stalled\nagent on", "tab:green"),
+    }
+    names = [f"{index + 1}. {labels[r['configuration']][0]}" for index, r in enumerate(rows)]
+    colours = [labels[r["configuration"]][1] for r in rows]
+    fig, (left, right, kv) = plt.subplots(1, 3, figsize=(15, 4))
+    for axis, key, target, label in (
+        (left, "healthy_tokens_per_second", TARGET_THROUGHPUT_RATIO, "target: 90% of clean"),
+        (right, "healthy_ttft_p99_ms", TARGET_TTFT_P99_RATIO, "target: 1.5x clean"),
+    ):
+        axis.bar(names, [r[key] for r in rows], color=colours)
+        axis.axhline(clean[key] * target, color="black", linestyle="--", label=label)
+        axis.tick_params(axis="x", labelsize=8)
+        axis.legend()
+    left.set_ylabel("healthy tokens / s")
+    right.set_ylabel("healthy TTFT p99 (ms)")
+    right.set_yscale("log")
+    kv.bar(names, [r["peak_kv_blocks_used"] for r in rows], color=colours, alpha=0.35, label="peak")
+    kv.bar(names, [r["mean_kv_blocks_used"] for r in rows], color=colours, label="mean")
+    kv.axhline(KV_BLOCKS, color="black", linestyle=":", label="pool")
+    kv.set_ylabel("KV blocks in use")
+    kv.tick_params(axis="x", labelsize=8)
+    kv.legend()
+    fig.suptitle(
+        f"{HEALTHY_CLIENTS} healthy clients + 25% stalled requests, "
+        f"{KV_BLOCKS}-block KV pool, stall threshold {STALL_SECONDS:g} s (in run order)"
+    )
+    fig.tight_layout()
+    fig.savefig(RESULTS / "rescue.png", dpi=100)
+
+
+def main() -> None:
+    result = measure()
+    path = write_result("rescue", result)
+    plot(result)
+    print(
+        "configuration  healthy tok/s  TTFT p50  TTFT p99 (ms)  mean KV blocks  waiting  stalls"
+        "  cancels  engine CPU %"
+    )
+    for row in result["configurations"]:
+        print(
+            f"{row['configuration']:<14}{row['healthy_tokens_per_second']:>14}"
+            f"{row['healthy_ttft_p50_ms']:>10}{row['healthy_ttft_p99_ms']:>15}"
+            f"{row['mean_kv_blocks_used']:>16}{row['mean_requests_waiting']:>9}"
+            f"{row['stalled_requests']:>8}{row['cancels']:>9}"
+            f"{row['engine_cpu_percent_of_core']:>14}"
+        )
+    on, met = result["on_vs_clean"], result["met"]
+    print(
+        f"agent on vs clean: throughput {on['throughput_ratio']:.0%} (target >= 90%: "
+        f"{'met' if met['throughput'] else 'NOT met'}), TTFT p99 x{on['ttft_p99_ratio']} "
+        f"(target <= 1.5: {'met' if met['ttft_p99'] else 'NOT met'})"
+    )
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,20 +6,16 @@ what freeing its KV gives back. Every part is a real process on loopback; nothin
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvwatch.errors import KvwatchError
 from kvwatch.loadgen import LoadPlan, LoadReport, run_load
+from kvwatch.stack import Stack
 
 # A small pool and long prompts (a retrieval-augmented request carries its context): three
 # stalled requests pin most of the pool, so healthy ones queue behind them. A small send
@@ -39,7 +35,6 @@ PROMPT = (
     "Summarise the following maintenance log of a lighthouse. " + "The lamp was "
     "cleaned, the lens polished and the log signed at dawn. " * 8
 )
-STARTUP_SECONDS = 60.0
 
 
 @dataclass
@@ -50,8 +45,6 @@ class DemoSettings:
     stalled: int = 3
     max_tokens: int = 300
     stall_seconds: float = 2.0
-    engine_port: int = 18000
-    agent_port: int = 19431
 
 
 @dataclass
@@ -76,83 +69,20 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
-def wait_until_up(url: str, process: subprocess.Popen[bytes], what: str) -> None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise KvwatchError(
-                f"{what} exited with status {process.returncode} at start-up",
-                "run it by hand to see its error (kvwatch engine / kvwatch run)",
-            )
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise KvwatchError(
-        f"{what} did not answer at {url} within {STARTUP_SECONDS:.0f} s",
-        "check the machine's load and the ports in use",
-    )
-
-
-@contextlib.contextmanager
-def running(args: list[str], health_url: str, what: str, log: Path) -> Iterator[None]:
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvwatch.cli", *args], stdout=out, stderr=subprocess.STDOUT
-        )
-    try:
-        wait_until_up(health_url, process, what)
-        yield
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def run_phase(
     settings: DemoSettings, mode: str, workdir: Path, say: Callable[[str], None]
 ) -> PhaseResult:
-    socket_path = workdir / f"engine-{mode}.sock"
-    engine_url = f"http://127.0.0.1:{settings.engine_port}"
-    agent_url = f"http://127.0.0.1:{settings.agent_port}"
-    engine = [
-        "engine",
-        "--port",
-        str(settings.engine_port),
-        *ENGINE_ARGS,
-        "--kvwatch-socket",
-        str(socket_path),
-    ]
-    agent = [
-        "run",
-        "--mode",
-        mode,
-        "--port",
-        str(settings.engine_port),
-        "--stall-seconds",
-        str(settings.stall_seconds),
-        "--grace-seconds",
-        "0",
-        "--hook-socket",
-        str(socket_path),
-        "--listen",
-        f"127.0.0.1:{settings.agent_port}",
-        "--audit-log",
-        str(workdir / f"audit-{mode}.jsonl"),
-    ]
-    with (
-        running(agent, f"{agent_url}/healthz", "the agent", workdir / f"agent-{mode}.log"),
-        running(engine, f"{engine_url}/health", "the engine", workdir / f"engine-{mode}.log"),
-    ):
+    with Stack(workdir / mode) as stack:
+        stack.start_agent(
+            "--mode", mode, "--stall-seconds", str(settings.stall_seconds), "--grace-seconds", "0"
+        )
+        stack.start_engine(*ENGINE_ARGS)
         say(
             f"[{mode}] engine and agent up; {settings.healthy} healthy, {settings.slow} slow, "
             f"{settings.stalled} stalled clients for {settings.seconds:.0f} s"
         )
         plan = LoadPlan(
-            url=engine_url,
+            url=stack.engine_url,
             healthy=settings.healthy,
             slow=settings.slow,
             stalled=settings.stalled,
@@ -163,8 +93,8 @@ def run_phase(
         result = PhaseResult(mode, report=None)  # type: ignore[arg-type]
 
         def sample(_: LoadReport) -> None:
-            engine_metrics = scrape(f"{engine_url}/metrics")
-            agent_metrics = scrape(f"{agent_url}/metrics")
+            engine_metrics = scrape(f"{stack.engine_url}/metrics")
+            agent_metrics = scrape(f"{stack.agent_url}/metrics")
             result.peak_waiting = max(
                 result.peak_waiting, engine_metrics.get("kvwatch_engine:num_requests_waiting", 0.0)
             )
@@ -176,13 +106,17 @@ def run_phase(
         result.report = asyncio.run(
             run_load(plan, on_progress=sample, progress_interval_seconds=0.5)
         )
-        result.metrics = scrape(f"{agent_url}/metrics")
+        result.metrics = scrape(f"{stack.agent_url}/metrics")
     return result
 
 
 def run_demo(settings: DemoSettings, say: Callable[[str], None]) -> list[PhaseResult]:
     with tempfile.TemporaryDirectory(prefix="kvwatch-demo-") as tmp:
-        return [run_phase(settings, mode, Path(tmp), say) for mode in ("observe", "enforce")]
+        results = []
+        for mode in ("observe", "enforce"):
+            (Path(tmp) / mode).mkdir()
+            results.append(run_phase(settings, mode, Path(tmp), say))
+        return results
 
 
 def cancels(result: PhaseResult) -> float:

@@ -29,10 +29,10 @@ from typing import Any
 import psutil
 
 from bench.common import RESULTS, write_result
-from bench.stack import Stack
 from kvwatch.demo import scrape
 from kvwatch.errors import KvwatchError
 from kvwatch.scenario import Scenario
+from kvwatch.stack import Stack
 
 STEPS = (0, 1_000, 10_000)
 MEASURE_SECONDS = 20.0

@@ -44,12 +44,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, write_result
-from bench.stack import Stack, engine_connection, stall_arrivals
+from bench.stack import engine_connection, stall_arrivals
 from kvwatch.demo import PROMPT, scrape
 from kvwatch.errors import KvwatchError
 from kvwatch.loadgen import LoadPlan, LoadReport, run_load
 from kvwatch.loadgen.report import ClassStats
 from kvwatch.loadgen.runner import ProgressCallback
+from kvwatch.stack import Stack
 
 KV_BLOCKS = 450
 ENGINE_ARGS = (

@@ -41,9 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, write_result
-from bench.stack import Stack, engine_connection, stall_arrivals
+from bench.stack import engine_connection, stall_arrivals
 from kvwatch.loadgen import LoadPlan, run_load
 from kvwatch.loadgen.report import percentile
+from kvwatch.stack import Stack
 
 ENGINE_ARGS = (
     "--model-size",

@@ -33,12 +33,8 @@ from kvwatch.demo import DemoSettings, run_demo, summary_rows
     show_default=True,
     help="Clients that read as fast as they can.",
 )
-@click.option("--engine-port", type=click.IntRange(1, 65535), default=18000, show_default=True)
-@click.option("--agent-port", type=click.IntRange(1, 65535), default=19431, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def command(
-    seconds: float, stalled: int, healthy: int, engine_port: int, agent_port: int, as_json: bool
-) -> None:
+def command(seconds: float, stalled: int, healthy: int, as_json: bool) -> None:
     """Run the reference engine with healthy, slow and stalled clients, twice.
 
     \b
@@ -53,8 +49,6 @@ def command(
         seconds=seconds,
         stalled=stalled,
         healthy=healthy,
-        engine_port=engine_port,
-        agent_port=agent_port,
     )
     results = run_demo(settings, lambda line: console.print(f"[dim]{line}[/dim]"))
     rows = summary_rows(results)

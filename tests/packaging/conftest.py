@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import free_port
+from kvwatch.stack import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))

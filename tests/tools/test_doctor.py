@@ -20,7 +20,8 @@ from kvwatch.doctor import (
     who_can_connect,
 )
 from kvwatch.gpu import GpuInventory
-from tests.e2e.conftest import Stack, free_port
+from kvwatch.stack import free_port
+from tests.e2e.conftest import Stack
 from tests.tools.conftest import kvwatch
 from tests.units.conftest import GIB, FakeGpu, FakeNvml
 
@@ -59,7 +60,7 @@ def test_doctor_on_this_node_without_a_daemon(tmp_path: Path) -> None:
 @pytest.mark.engine
 def test_doctor_sees_the_running_daemon_and_its_engine(stalled_stack: Stack) -> None:
     code, checks = checks_of(
-        "--url", stalled_stack.agent_url, "--hook-socket", str(stalled_stack.socket)
+        "--url", stalled_stack.agent_url, "--hook-socket", str(stalled_stack.hook_socket)
     )
     assert code == 0
     assert checks["daemon"]["status"] == "ok"

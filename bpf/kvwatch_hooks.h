@@ -159,14 +159,20 @@ static __always_inline int KV_FN(kv_on_send)(struct sock *sk, long bytes, bool a
 	__u64 key = (__u64)sk;
 	__u64 now;
 	__u32 tgid;
+	__u8 state = 0;
 	bool idle_before;
 
 	if (!kv_process_allowed() || !KV_FN(kv_port_allowed)(sk))
 		return 0;
 	now = KV_NOW();
 	rec = KV_SOCKETS_LOOKUP(&key);
-	if (!rec)
+	if (!rec) {
+		/* Only a socket that can send gets a record: a write after close must not revive one. */
+		KV_READ(&state, sk, __sk_common.skc_state);
+		if (state != KV_TCP_ESTABLISHED && state != KV_TCP_CLOSE_WAIT)
+			return 0;
 		rec = KV_FN(kv_record_create)(sk, now);
+	}
 	if (!rec)
 		return 0;
 	if (!KV_FN(kv_read_view)(sk, &view))

@@ -19,6 +19,7 @@
 #define KV_IPPROTO_TCP 6
 #define KV_TCP_ESTABLISHED 1
 #define KV_TCP_CLOSE 7
+#define KV_TCP_CLOSE_WAIT 8
 #define KV_EEXIST 17
 
 /* A socket's send side as one hook sees it, before it is folded into the record. */

@@ -5,9 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # clang/libbpf-dev build the BPF object; prometheus (promtool) and systemd (systemd-analyze)
-# check the exporter and the unit in tests; tmux drives `kvwatch top` in a real terminal.
+# check the exporter and the unit in tests; tmux drives `kvwatch top` in a real terminal;
+# qemu, udev, busybox-static and kmod boot other kernels for the kernel matrix (virtme-ng).
 APT_PACKAGES=(clang llvm libbpf-dev libbpf1 bpftool iproute2 tmux procps util-linux
-              prometheus systemd)
+              prometheus systemd qemu-system-x86 udev busybox-static kmod)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

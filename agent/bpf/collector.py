@@ -13,6 +13,8 @@ from kvwatch.bpf.maps import EventRing, read_raw_records, read_record, read_stat
 from kvwatch.sockets import Endpoint, SocketSample, Source
 
 SEQ_MODULO = 1 << 32
+TCP_CLOSE = 7
+TCP_STATE_OFFSET = KvSockRecord.tcp_state.offset
 
 
 def seq_distance(later: int, earlier: int) -> int:
@@ -91,6 +93,8 @@ class BpfCollector:
         now_ns = time.monotonic_ns()
         converted: dict[int, tuple[bytes, SocketSample]] = {}
         for key, raw in raw_records.items():
+            if raw[TCP_STATE_OFFSET] == TCP_CLOSE:
+                continue  # a socket closing as the map was read; its close event removes it
             previous = self._converted.get(key)
             if previous is not None and previous[0] == raw:
                 converted[key] = previous

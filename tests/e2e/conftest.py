@@ -92,5 +92,8 @@ class Stack(processes.Stack):
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    with Stack(tmp_path) as running:
+    running = Stack(tmp_path)
+    try:
         yield running
+    finally:
+        running.close()

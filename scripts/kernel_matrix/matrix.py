@@ -1,0 +1,76 @@
+"""One matrix row: a kernel, the test module run on it, and what came back.
+
+Rows are the kernel this machine runs (tests run directly, no VM) and each Debian kernel of
+`DEBIAN_KERNELS` (booted in a VM). A row that cannot start (a tool or package is missing)
+raises `MatrixError`; one that starts but brings no results back (boot failure, timeout)
+is returned with `error` set, so the table can say so.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scripts.kernel_matrix.kernels import DEBIAN_KERNELS, MatrixError, cache_dir, fetch
+from scripts.kernel_matrix.vm import Run, accelerator, missing_tools, run_in_vm, run_on_host
+
+HOST_ROW = "host"
+ROWS = (HOST_ROW, *(spec.name for spec in DEBIAN_KERNELS))
+HOST_TIMEOUT_SECONDS = 120.0
+VM_TIMEOUT_SECONDS = 420.0  # typical 90-140 s; up to ~250 s seen on a loaded 2-core host
+OUTPUT_TAIL_CHARS = 3000
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """What one kernel row produced. `results` is the guest's results file (conftest's
+    MatrixResults), None when the run brought none back, and then `error` says why."""
+
+    name: str
+    title: str
+    release: str
+    how: str
+    run: Run
+    results: dict[str, Any] | None
+    error: str
+
+    def failures(self) -> list[str]:
+        """One entry per failed test (or the row's error); empty when the row passed."""
+        if self.results is None:
+            return [f"{self.name}: {self.error}"]
+        return [
+            f"{self.name}: {test['name']}[{test['combo'] or 'auto'}]\n{test['message']}"
+            for test in self.results["tests"]
+            if test["outcome"] == "failed"
+        ]
+
+
+def run_row(name: str, workdir: Path) -> RowResult:
+    """Runs one row, writing its results file under `workdir` (which must exist)."""
+    results_file = workdir / f"{name}.json"
+    if name == HOST_ROW:
+        release = platform.release()
+        title, how = "CI kernel (this machine)", "directly, no VM"
+        run = run_on_host(results_file, HOST_TIMEOUT_SECONDS)
+    else:
+        spec = next((s for s in DEBIAN_KERNELS if s.name == name), None)
+        if spec is None:
+            raise MatrixError(f"unknown kernel row {name!r}: use one of {', '.join(ROWS)}")
+        missing = missing_tools()
+        if missing:
+            raise MatrixError(f"missing host tools: {', '.join(missing)}: run scripts/setup.sh")
+        tree = fetch(spec, cache_dir())
+        title, release = spec.title, tree.release
+        how = "VM, KVM" if accelerator() == "kvm" else "VM, emulated CPU (TCG)"
+        run = run_in_vm(tree, results_file, VM_TIMEOUT_SECONDS)
+    results = json.loads(results_file.read_text()) if results_file.is_file() else None
+    error = "" if results else _why_no_results(run)
+    return RowResult(name, title, release, how, run, results, error)
+
+
+def _why_no_results(run: Run) -> str:
+    what = f"timed out after {run.seconds:.0f} s" if run.timed_out else f"exit {run.returncode}"
+    return f"no results came back ({what}); output ends: {run.output[-OUTPUT_TAIL_CHARS:]}"

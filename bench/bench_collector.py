@@ -165,7 +165,7 @@ def plot(result: dict[str, object]) -> None:
     assert isinstance(off, list) and isinstance(on, list)
     left.bar(
         ["without", "with collector"],
-        [statistics.mean(off), statistics.mean(on)],
+        [statistics.median(off), statistics.median(on)],
         color=["grey", "tab:blue"],
     )
     left.set_ylabel("SSE tokens / s (64 connections)")

@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 
 from kvwatch.bpf.loader import DEFAULT_OBJECT
+from kvwatch.doctor import parse_effective_capabilities
 
 REQUIRE_BPF_ENV = "KVWATCH_REQUIRE_BPF"
 
 
 def bpf_unavailable_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "not running as root"
+    status = Path("/proc/self/status").read_text()
+    if not {"CAP_BPF", "CAP_SYS_ADMIN"} & parse_effective_capabilities(status):
+        return "no CAP_BPF or CAP_SYS_ADMIN (run as root)"
     if not Path("/sys/kernel/btf/vmlinux").exists():
         return "the kernel exposes no BTF (/sys/kernel/btf/vmlinux)"
     if not DEFAULT_OBJECT.is_file():

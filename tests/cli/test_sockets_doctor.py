@@ -15,7 +15,9 @@ from kvwatch.errors import EXIT_PRIVILEGE
 from kvwatch.scenario import Scenario
 
 KVWATCH = [sys.executable, "-m", "kvwatch.cli"]
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+# Every capability dropped, uid kept: a process that may read the checkout wherever CI put
+# it, but may not load BPF — what an unprivileged user gets.
+WITHOUT_PRIVILEGES = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"]
 CONTRACT_FIELDS = {
     "local",
     "remote",
@@ -39,9 +41,9 @@ CONTRACT_FIELDS = {
 
 
 def kvwatch(
-    *args: str, as_nobody: bool = False, env: dict[str, str] | None = None
+    *args: str, unprivileged: bool = False, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    prefix = NOBODY if as_nobody else []
+    prefix = WITHOUT_PRIVILEGES if unprivileged else []
     full_env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
     return subprocess.run(
         [*prefix, *KVWATCH, *args],
@@ -88,10 +90,10 @@ def test_without_privileges_core_fails_with_exit_3_and_diag_still_lists() -> Non
     with Scenario() as scenario:
         stalled = scenario.connect("stalled")
         refused = kvwatch(
-            "sockets", "--backend", "core", "--port", str(scenario.port), as_nobody=True
+            "sockets", "--backend", "core", "--port", str(scenario.port), unprivileged=True
         )
         fallback = kvwatch(
-            "sockets", "--json", "--port", str(scenario.port), "--settle", "0.2", as_nobody=True
+            "sockets", "--json", "--port", str(scenario.port), "--settle", "0.2", unprivileged=True
         )
     assert refused.returncode == EXIT_PRIVILEGE
     assert "not allowed to load BPF programs" in refused.stderr
@@ -118,7 +120,7 @@ def test_doctor_reports_this_kernels_modes_truthfully() -> None:
 
 
 def test_doctor_without_privileges_exits_3_with_a_fix() -> None:
-    result = kvwatch("doctor", "--json", as_nobody=True)
+    result = kvwatch("doctor", "--json", unprivileged=True)
     assert result.returncode == EXIT_PRIVILEGE
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
     assert checks["privileges"]["status"] == "fail"
@@ -128,7 +130,7 @@ def test_doctor_without_privileges_exits_3_with_a_fix() -> None:
 def test_require_bpf_turns_a_skip_into_a_failure() -> None:
     layout_test = str(Path(__file__).parents[1] / "bpf" / "test_stream_states.py")
     base = [
-        *NOBODY,
+        *WITHOUT_PRIVILEGES,
         sys.executable,
         "-m",
         "pytest",
@@ -161,4 +163,4 @@ def test_require_bpf_turns_a_skip_into_a_failure() -> None:
     )
     assert skipped.returncode == 0 and "2 skipped" in skipped.stdout, skipped.stdout
     assert required.returncode == 1, required.stdout
-    assert "BPF test cannot run: not running as root" in required.stdout
+    assert "BPF test cannot run: no CAP_BPF or CAP_SYS_ADMIN" in required.stdout

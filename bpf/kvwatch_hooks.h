@@ -253,26 +253,30 @@ static __always_inline int KV_FN(kv_on_state)(struct sock *sk, int new_state)
 		KV_STAT_ADD(KV_STAT_RECORDS_DELETED);
 	return 0;
 }
-static __always_inline int KV_FN(kv_on_retransmit)(struct sock *sk)
+
+/* The record of a tracked socket, for hooks that only count (NULL when untracked). */
+static __always_inline struct kv_sock_record *KV_FN(kv_tracked)(struct sock *sk)
 {
 	__u64 key = (__u64)sk;
-	struct kv_sock_record *rec;
 
 	if (!KV_FN(kv_port_allowed)(sk))
-		return 0;
-	rec = KV_SOCKETS_LOOKUP(&key);
+		return NULL;
+	return KV_SOCKETS_LOOKUP(&key);
+}
+
+static __always_inline int KV_FN(kv_on_retransmit)(struct sock *sk)
+{
+	struct kv_sock_record *rec = KV_FN(kv_tracked)(sk);
+
 	if (rec)
 		rec->retransmits++;
 	return 0;
 }
+
 static __always_inline int KV_FN(kv_on_zero_window_probe)(struct sock *sk)
 {
-	__u64 key = (__u64)sk;
-	struct kv_sock_record *rec;
+	struct kv_sock_record *rec = KV_FN(kv_tracked)(sk);
 
-	if (!KV_FN(kv_port_allowed)(sk))
-		return 0;
-	rec = KV_SOCKETS_LOOKUP(&key);
 	if (rec)
 		rec->zero_window_probes++;
 	return 0;

@@ -12,22 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from kvwatch import demo
 from kvwatch import stack as processes
 from kvwatch.loadgen import LoadPlan, LoadReport, run_load
 from kvwatch.loadgen.http import Target, build_request, completion_body
 
-ENGINE_ARGS = (
-    "--model-size",
-    "tiny",
-    "--egress",
-    "coupled",
-    "--kv-blocks",
-    "160",
-    "--sndbuf-bytes",
-    "8192",
-    "--max-tokens-limit",
-    "4000",
-)
+# The demo's engine (stalled clients pin KV), with room for the tests' long generations.
+ENGINE_ARGS = (*demo.ENGINE_ARGS, "--max-tokens-limit", "4000")
 STALL_SECONDS = 2.0
 
 

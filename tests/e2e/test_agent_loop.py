@@ -77,7 +77,9 @@ def test_reset_alone_ends_the_stall_for_an_engine_without_the_hook(stack: Stack)
     stack.start_agent("--mode", "enforce", "--action", "reset")
     report = stack.load(seconds=6, healthy=1, slow=0)
     resets = [o for o in stack.audit_entries("outcome") if o["action"] == "reset"]
-    assert resets and all(o["result"]["status"] == "reset" for o in resets)
+    statuses = [o["result"]["status"] for o in resets]
+    # A stall the load's end closes first is "not_found" at reset time; never "failed".
+    assert "reset" in statuses and "failed" not in statuses, [o["result"] for o in resets]
     assert report.classes["stalled"].reset >= 1
     engine_metrics = httpx.get(f"{stack.engine_url}/metrics").text
     assert (

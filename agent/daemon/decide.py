@@ -14,7 +14,8 @@ from kvwatch.daemon.join import Joiner, StreamView
 from kvwatch.daemon.timeline import Timelines, connection_id
 from kvwatch.policy import CancelBudget, Candidate, Decision, decide
 from kvwatch.sockets import SocketSample
-from kvwatch.states import stall_since_ns
+from kvwatch.states import StatePolicy, stall_since_ns
+from kvwatch.views import socket_json
 
 RECHECK_SECONDS = 1.0
 # Reasons that can change while the stall lasts: look again later instead of giving up.
@@ -28,29 +29,12 @@ TRANSIENT_REASONS = {
 EVENTS_KEPT = 2000
 
 
-def evidence_of(view: StreamView, now_ns: int) -> dict[str, Any]:
-    """What the decision was based on, for the audit log and `explain`."""
+def evidence_of(view: StreamView, now_ns: int, policy: StatePolicy) -> dict[str, Any]:
+    """What the decision was based on, for the audit log and `explain`: the socket as the
+    `sockets` contract spells it, plus how long it has been stalled."""
     sample = view.sample
-    evidence: dict[str, Any] = {
-        "local": str(sample.local),
-        "remote": str(sample.remote),
-        "pid": sample.pid,
-        "comm": sample.comm,
-        "source": sample.source,
-        "state": view.state.value,
-        "wmem_queued": sample.wmem_queued,
-        "sndbuf": sample.sndbuf,
-        "notsent_bytes": sample.notsent_bytes,
-        "unacked_bytes": sample.unacked_bytes,
-        "peer_rwnd": sample.peer_rwnd,
-        "srtt_us": sample.srtt_us,
-        "retransmits": sample.retransmits,
-        "zero_window_seconds": round(sample.zero_window_seconds(now_ns), 3),
-        "zero_window_episodes": sample.zero_window_episodes,
-        "sndbuf_full": sample.sndbuf_full,
-        "no_progress_seconds": round(sample.no_progress_seconds(now_ns), 3),
-        "stalled_seconds": round((now_ns - stall_since_ns(sample)) / 1e9, 3),
-    }
+    evidence = socket_json(sample, now_ns, policy)
+    evidence["stalled_seconds"] = round((now_ns - stall_since_ns(sample)) / 1e9, 3)
     if view.engine is not None:
         evidence.update(
             kv_blocks=view.engine.kv_blocks,
@@ -128,7 +112,9 @@ class Decider:
         request_id = engine.request_id if engine is not None else None
         if self._last.get(sample.key) != (decision.verdict, decision.reason):
             self._last[sample.key] = (decision.verdict, decision.reason)
-            entry = self.audit.record(decision, evidence_of(view, now_ns), request_id=request_id)
+            entry = self.audit.record(
+                decision, evidence_of(view, now_ns, self.state_policy), request_id=request_id
+            )
             self.timelines.of(connection_id(sample.local, sample.remote)).add(
                 now_ns,
                 "decision",
@@ -156,7 +142,7 @@ class Decider:
     async def _carry_out(
         self, view: StreamView, decision: Decision, request_id: str | None
     ) -> None:
-        evidence = evidence_of(view, view.now_ns)
+        evidence = evidence_of(view, view.now_ns, self.state_policy)
         for action in decision.actions:
             if action == "cancel":
                 result = await self.actions.cancel(view, decision.reason, evidence)

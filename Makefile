@@ -5,20 +5,25 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BPF_OBJ := agent/bpf/kvwatch.bpf.o
 BPF_SRC := $(wildcard bpf/*.c bpf/*.h)
+# What BCC compiles at start-up, shipped with the package (kvwatch/bpf/csrc).
+BCC_SRC := $(addprefix agent/bpf/csrc/,kvwatch_bcc.c kvwatch.h kvwatch_socket.h kvwatch_hooks.h)
 STAMP := $(VENV)/.kvwatch-installed
 
 .PHONY: setup bpf test demo bench lint clean kernel-matrix
 
-setup: $(STAMP) $(BPF_OBJ)
+setup: $(STAMP) $(BPF_OBJ) $(BCC_SRC)
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
 
-bpf: $(BPF_OBJ)
+bpf: $(BPF_OBJ) $(BCC_SRC)
 
 $(BPF_OBJ): $(BPF_SRC) | $(STAMP)
 	$(MAKE) -C bpf OUT=$(abspath $@)
+
+agent/bpf/csrc/%: bpf/%
+	install -D -m 0644 $< $@
 
 test: setup
 	$(PY) -m pytest -ra $(PYTEST_ARGS)

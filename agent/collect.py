@@ -1,4 +1,8 @@
-"""Chooses and runs a socket collector: BPF (CO-RE) when the node allows it, else sock_diag.
+"""Chooses and runs a socket collector: BPF when the node allows it, else sock_diag.
+
+`auto` picks the CO-RE object where the kernel has BTF; else BCC, which compiles the same
+programs against the kernel's headers, where BCC and the headers are installed; else
+sock_diag polling. The choice and its reason are reported to the operator.
 
 Sockets that existed before the BPF programs attached are invisible to them until their next
 send or ACK; a sock_diag snapshot fills that gap at start-up. `MergedCollector` shows the
@@ -10,16 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from kvwatch.bpf.collector import BpfCollector
-from kvwatch.bpf.loader import AttachReport, CollectorSettings
+from kvwatch.bpf.collector import BpfBackend, BpfCollector
+from kvwatch.bpf.loader import BTF_PATH, AttachReport, CollectorSettings
 from kvwatch.diag.snapshot import DiagClient
 from kvwatch.diag.tracker import DiagTracker
 from kvwatch.errors import ConfigError, KvwatchError
 from kvwatch.procfs import Procfs, SocketOwners
 from kvwatch.sockets import Endpoint, SocketSample
 
-Backend = Literal["auto", "core", "diag"]
-BACKENDS: tuple[Backend, ...] = ("auto", "core", "diag")
+Backend = Literal["auto", "core", "bcc", "diag"]
+BACKENDS: tuple[Backend, ...] = ("auto", "core", "bcc", "diag")
+BACKEND_TITLES = {"core": "CO-RE", "bcc": "BCC", "diag": "sock_diag polling"}
 ConnectionKey = tuple[int, Endpoint, Endpoint]
 
 
@@ -138,6 +143,28 @@ class OpenedCollector:
     note: str
 
 
+def auto_backend() -> tuple[Backend, str]:
+    """What `auto` picks on this machine, and why, in a sentence for the operator."""
+    if BTF_PATH.exists():
+        return "core", (
+            f"auto chose CO-RE: the kernel has BTF ({BTF_PATH}), so the prebuilt object loads "
+            "without a compiler or headers; BCC is only for kernels without BTF"
+        )
+    from kvwatch.bpf.bcc import bcc_status  # imports BCC when present: only without BTF
+
+    status = bcc_status()
+    if status.usable:
+        return "bcc", (
+            f"auto chose BCC: the kernel has no BTF ({BTF_PATH} is missing), and BCC and "
+            f"kernel headers ({status.headers}) are installed"
+        )
+    return "diag", (
+        f"auto chose sock_diag polling: the kernel has no BTF ({BTF_PATH} is missing) and BCC "
+        f"cannot run ({status.problem}): no edge events, episodes at poll resolution. "
+        f"To fix: {status.hint}"
+    )
+
+
 def open_collector(
     settings: CollectorSettings, backend: str = "auto", procfs_root: str = "/proc"
 ) -> OpenedCollector:
@@ -145,19 +172,22 @@ def open_collector(
         raise ConfigError(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
     settings.validate()
     owners = SocketOwners(Procfs(procfs_root))
-    if backend == "diag":
-        return OpenedCollector(
-            DiagCollector(settings, owners), "diag", "sock_diag polling, as asked (--backend diag)"
-        )
+    if backend == "auto":
+        chosen, why = auto_backend()
+    else:
+        chosen, why = backend, f"{BACKEND_TITLES[backend]}, as asked (--backend {backend})"
+    if chosen == "diag":
+        return OpenedCollector(DiagCollector(settings, owners), "diag", why)
+    bpf_backend: BpfBackend = "bcc" if chosen == "bcc" else "core"
     try:
-        bpf = BpfCollector(settings)
+        bpf = BpfCollector(settings, bpf_backend)
     except KvwatchError as exc:
-        if backend == "core":
+        if backend != "auto":
             raise
         note = (
-            f"BPF unavailable ({exc.message}); falling back to sock_diag polling: "
-            f"no edge events, episodes at poll resolution. To fix: {exc.hint}"
+            f"{why}, but BPF is unavailable ({exc.message}); falling back to sock_diag "
+            f"polling: no edge events, episodes at poll resolution. To fix: {exc.hint}"
         )
         return OpenedCollector(DiagCollector(settings, owners), "diag", note)
     merged = MergedCollector(bpf, DiagCollector(settings, owners), owners)
-    return OpenedCollector(merged, "core", bpf.report.describe())
+    return OpenedCollector(merged, chosen, f"{why}; {bpf.report.describe()}")

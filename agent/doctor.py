@@ -23,7 +23,13 @@ from typing import Any, Literal
 import httpx
 
 from kvwatch.baseline import parse_sysctl_numbers, read_sysctl
-from kvwatch.bpf.loader import SEND_MODES, BpfPrograms, CollectorSettings, object_path
+from kvwatch.bpf.loader import (
+    BTF_PATH,
+    SEND_MODES,
+    BpfPrograms,
+    CollectorSettings,
+    object_path,
+)
 from kvwatch.client import DEFAULT_AGENT_URL
 from kvwatch.config import HookConfig
 from kvwatch.errors import KvwatchError
@@ -32,7 +38,6 @@ from kvwatch.views import human_bytes
 
 Status = Literal["ok", "warn", "fail", "info"]
 CAPABILITIES = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21, "CAP_PERFMON": 38, "CAP_BPF": 39}
-BTF_PATH = Path("/sys/kernel/btf/vmlinux")
 TRACEFS_PATHS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 HOOK_SOCKET = HookConfig().socket
 HEALTH_TIMEOUT_SECONDS = 2.0

@@ -66,20 +66,23 @@ static __always_inline void kv_stat_add(__u32 index)
 #define KV_FN(name) name##_btf
 #define KV_READ(dst, ptr, field) (*(dst) = (ptr)->field)
 #define KV_READ_BYTES(dst, ptr, field) __builtin_memcpy(dst, &(ptr)->field, sizeof((ptr)->field))
-#define KV_READ_BITFIELD(ptr, field) BPF_CORE_READ_BITFIELD(ptr, field)
+#define KV_SK_PROTOCOL(sk) BPF_CORE_READ_BITFIELD(sk, sk_protocol)
+#define KV_SND_WSCALE(tp) BPF_CORE_READ_BITFIELD(tp, rx_opt.snd_wscale)
 #define KV_TCP_SOCK(sk) bpf_skc_to_tcp_sock(sk)
 #include "kvwatch_hooks.h"
 #undef KV_FN
 #undef KV_READ
 #undef KV_READ_BYTES
-#undef KV_READ_BITFIELD
+#undef KV_SK_PROTOCOL
+#undef KV_SND_WSCALE
 #undef KV_TCP_SOCK
 
 /* Flavour 2, for kprobe and raw_tp programs: every read through bpf_probe_read_kernel. */
 #define KV_FN(name) name##_probed
 #define KV_READ(dst, ptr, field) BPF_CORE_READ_INTO(dst, ptr, field)
 #define KV_READ_BYTES(dst, ptr, field) BPF_CORE_READ_INTO(&(dst), ptr, field)
-#define KV_READ_BITFIELD(ptr, field) BPF_CORE_READ_BITFIELD_PROBED(ptr, field)
+#define KV_SK_PROTOCOL(sk) BPF_CORE_READ_BITFIELD_PROBED(sk, sk_protocol)
+#define KV_SND_WSCALE(tp) BPF_CORE_READ_BITFIELD_PROBED(tp, rx_opt.snd_wscale)
 #define KV_TCP_SOCK(sk) ((struct tcp_sock *)(sk))
 #include "kvwatch_hooks.h"
 
@@ -100,25 +103,13 @@ int BPF_KPROBE(kv_send_kprobe, struct sock *sk, void *msg, __u64 size)
 SEC("tp_btf/sock_send_length")
 int BPF_PROG(kv_send_tp_btf, struct sock *sk, int ret, int flags)
 {
-	unsigned short family = sk->__sk_common.skc_family;
-
-	if ((family != KV_AF_INET && family != KV_AF_INET6) ||
-	    BPF_CORE_READ_BITFIELD(sk, sk_protocol) != KV_IPPROTO_TCP)
-		return 0;
-	return kv_on_send_btf(sk, ret, false);
+	return kv_on_send_tracepoint_btf(sk, ret);
 }
 
 SEC("raw_tp/sock_send_length")
 int kv_send_raw_tp(struct bpf_raw_tracepoint_args *ctx)
 {
-	struct sock *sk = (struct sock *)ctx->args[0];
-	unsigned short family = 0;
-
-	BPF_CORE_READ_INTO(&family, sk, __sk_common.skc_family);
-	if ((family != KV_AF_INET && family != KV_AF_INET6) ||
-	    BPF_CORE_READ_BITFIELD_PROBED(sk, sk_protocol) != KV_IPPROTO_TCP)
-		return 0;
-	return kv_on_send_probed(sk, (int)ctx->args[1], false);
+	return kv_on_send_tracepoint_probed((struct sock *)ctx->args[0], (int)ctx->args[1]);
 }
 
 /* ACK path: tcp_probe(sk, skb) at the entry of tcp_rcv_established. */

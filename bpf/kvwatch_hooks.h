@@ -6,10 +6,13 @@
  *   KV_READ(dst, ptr, field)        read ptr->field (a path inside one struct) into *dst
  *   KV_READ_BYTES(dst, ptr, field)  copy an array or struct member into the array dst
  *                                   (dst is the array itself, not a pointer to it)
- *   KV_READ_BITFIELD(ptr, field)    value of an integer or bitfield member
+ *   KV_SK_PROTOCOL(sk)              sk->sk_protocol (a bitfield before Linux 5.6)
+ *   KV_SND_WSCALE(tp)               tp->rx_opt.snd_wscale (a 4-bit bitfield)
  *   KV_TCP_SOCK(sk)                 sk as struct tcp_sock *, or NULL when it is not TCP
- * BTF-typed programs (fentry, tp_btf) read with plain loads; kprobe and raw_tp programs
- * read through bpf_probe_read_kernel. Both relocate every field with CO-RE.
+ * The CO-RE build (kvwatch.bpf.c) has two flavours: BTF-typed programs (fentry, tp_btf) read
+ * with plain loads, kprobe and raw_tp programs through bpf_probe_read_kernel; both relocate
+ * every field with CO-RE. The BCC build (kvwatch_bcc.c) reads through bpf_probe_read_kernel
+ * at offsets its compiler took from the running kernel's headers.
  */
 
 /* Filters run before any map work, so unrelated sockets cost a few instructions. */
@@ -21,10 +24,11 @@ static __always_inline bool KV_FN(kv_port_allowed)(struct sock *sk)
 	if (count == 0)
 		return true;
 	KV_READ(&port, sk, __sk_common.skc_num);
+	/* A constant trip count, unrolled: where the settings live in a map (BCC) the verifier
+	 * could not bound a loop that exits at `count`. */
+#pragma unroll
 	for (__u32 i = 0; i < KV_MAX_FILTER_PORTS; i++) {
-		if (i >= count)
-			break;
-		if (KV_SETTING(filter_ports[i]) == port)
+		if (i < count && KV_SETTING(filter_ports[i]) == port)
 			return true;
 	}
 	return false;
@@ -135,7 +139,7 @@ static __always_inline bool KV_FN(kv_apply_segment)(struct sock *sk, struct sk_b
 	seq = bpf_ntohl(th.seq);
 	window = bpf_ntohs(th.window);
 	if (!(th.flags & KV_TCP_FLAG_SYN))
-		window <<= KV_READ_BITFIELD(tp, rx_opt.snd_wscale);
+		window <<= KV_SND_WSCALE(tp);
 	KV_READ(&snd_wl1, tp, snd_wl1);
 
 	acked_new = kv_seq_after(ack, view->snd_una) && !kv_seq_after(ack, view->snd_nxt);
@@ -198,6 +202,17 @@ static __always_inline int KV_FN(kv_on_send)(struct sock *sk, long bytes, bool a
 		rec->progress_ns = now;
 	return 0;
 }
+/* Send path at sock_send_length, which fires for every socket type: TCP over IP only. */
+static __always_inline int KV_FN(kv_on_send_tracepoint)(struct sock *sk, int ret)
+{
+	unsigned short family = 0;
+
+	KV_READ(&family, sk, __sk_common.skc_family);
+	if ((family != KV_AF_INET && family != KV_AF_INET6) ||
+	    KV_SK_PROTOCOL(sk) != KV_IPPROTO_TCP)
+		return 0;
+	return KV_FN(kv_on_send)(sk, ret, false);
+}
 /* ACK path (tcp_probe): every segment an established socket receives. */
 static __always_inline int KV_FN(kv_on_segment)(struct sock *sk, struct sk_buff *skb)
 {
@@ -236,7 +251,7 @@ static __always_inline int KV_FN(kv_on_state)(struct sock *sk, int new_state)
 	__u64 key = (__u64)sk;
 	__u64 now;
 
-	if (KV_READ_BITFIELD(sk, sk_protocol) != KV_IPPROTO_TCP)
+	if (KV_SK_PROTOCOL(sk) != KV_IPPROTO_TCP)
 		return 0;
 	now = KV_NOW();
 	rec = KV_SOCKETS_LOOKUP(&key);

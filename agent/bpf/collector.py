@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Literal, Protocol
 
 from kvwatch.bpf.layout import EVENT_NAMES, KvEvent, KvSockRecord
 from kvwatch.bpf.loader import AttachReport, BpfPrograms, CollectorSettings
@@ -72,13 +72,40 @@ class SocketEvent:
         return cls(kind, event.ts_ns, record_to_sample(event.record, event.ts_ns))
 
 
+BpfBackend = Literal["core", "bcc"]
+
+
+class LoadedPrograms(Protocol):
+    """kvwatch's programs attached by one toolchain: the CO-RE object (`BpfPrograms`) or
+    BCC (`BccPrograms`). Both fill the same maps with the same records and events."""
+
+    report: AttachReport
+    sockets_fd: int
+    events_fd: int
+    stats_fd: int
+
+    def program_fds(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+def load_programs(settings: CollectorSettings, backend: BpfBackend) -> LoadedPrograms:
+    if backend == "bcc":
+        from kvwatch.bpf.bcc import BccPrograms  # imports BCC, and with it LLVM: only on demand
+
+        return BccPrograms(settings)
+    return BpfPrograms(settings)
+
+
 class BpfCollector:
-    """Owns the loaded programs; reads their maps on demand. Close it to detach."""
+    """Owns the loaded programs; reads their maps on demand. Close it to detach. Which
+    toolchain built the programs (`backend`) changes nothing in what it returns."""
 
     source: Source = "bpf"
 
-    def __init__(self, settings: CollectorSettings, object_path: Path | None = None) -> None:
-        self.programs = BpfPrograms(settings, object_path)
+    def __init__(self, settings: CollectorSettings, backend: BpfBackend = "core") -> None:
+        self.backend = backend
+        self.programs = load_programs(settings, backend)
         self._converted: dict[int, tuple[bytes, SocketSample]] = {}
 
     @property

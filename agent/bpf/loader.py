@@ -77,6 +77,7 @@ def send_mode_unavailable(mode: str) -> str | None:
 
 
 DEFAULT_OBJECT = Path(__file__).with_name("kvwatch.bpf.o")
+BTF_PATH = Path("/sys/kernel/btf/vmlinux")  # the kernel's BTF: CO-RE relocates against it
 
 
 @dataclass(frozen=True)

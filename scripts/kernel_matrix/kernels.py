@@ -2,6 +2,8 @@
 
 The newest package matching a spec's name pattern is chosen (`apt-cache pkgnames`), fetched
 with `apt-get download` and unpacked with `dpkg-deb -x` into the cache (nothing is installed).
+A spec with `headers` also gets the image's headers packages, merged into one tree for BCC
+(Debian splits them into an arch-specific part and a `-common` part it includes).
 The cache lives outside the repository and is reused between runs; when the registry cannot
 be reached, the newest tree already in the cache is used. Trees of older builds of the same
 spec are removed when a newer one arrives.
@@ -20,6 +22,8 @@ CACHE_ENV = "KVWATCH_KERNEL_CACHE"
 DEFAULT_CACHE = Path("/var/cache/kvwatch-kernels")
 APT_TIMEOUT_SECONDS = 300
 IMAGE_PREFIX = "linux-image-"
+HEADERS_PREFIX = "linux-headers-"
+HEADERS_DIR = "headers"
 
 
 class MatrixError(Exception):
@@ -33,6 +37,7 @@ class KernelSpec:
     name: str
     title: str
     pattern: str
+    headers: bool = False  # also fetch the kernel's headers (the BCC backend is tested there)
 
     def build_key(self, package: str) -> tuple[int, ...] | None:
         match = re.fullmatch(self.pattern, package)
@@ -44,7 +49,9 @@ class KernelSpec:
 
 
 DEBIAN_KERNELS = (
-    KernelSpec("debian-6.1", "Debian 12, Linux 6.1", r"linux-image-6\.1\.0-(\d+)-amd64"),
+    KernelSpec(
+        "debian-6.1", "Debian 12, Linux 6.1", r"linux-image-6\.1\.0-(\d+)-amd64", headers=True
+    ),
     KernelSpec("debian-6.12", "Debian 12, Linux 6.12", r"linux-image-6\.12\.(\d+)\+deb12-amd64"),
 )
 
@@ -66,6 +73,12 @@ class KernelTree:
     @property
     def release(self) -> str:
         return self.image.name.removeprefix("vmlinuz-")
+
+    @property
+    def headers(self) -> Path | None:
+        """The merged header tree BCC compiles against, when it was fetched."""
+        tree = self.root / HEADERS_DIR
+        return tree if (tree / "include" / "linux" / "kconfig.h").is_file() else None
 
 
 def cache_dir() -> Path:
@@ -115,21 +128,68 @@ def fetch(spec: KernelSpec, cache: Path) -> KernelTree:
     root = trees / package
     if not (root / "boot").is_dir():
         _download_and_unpack(package, debs, root)
+    tree = KernelTree(package, root)
+    if spec.headers and tree.headers is None:
+        _fetch_headers(tree, debs)
     _prune(spec, package, trees, debs)
-    return KernelTree(package, root)
+    return tree
 
 
-def _download_and_unpack(package: str, debs: Path, root: Path) -> None:
+def _download(package: str, debs: Path) -> Path:
     found = sorted(debs.glob(f"{package}_*.deb"))
     if not found:
         _run(["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", package], cwd=debs)
         found = sorted(debs.glob(f"{package}_*.deb"))
     if not found:
         raise MatrixError(f"apt-get download {package} left no .deb in {debs}")
+    return found[-1]
+
+
+def _download_and_unpack(package: str, debs: Path, root: Path) -> None:
+    deb = _download(package, debs)
     partial = root.with_name(root.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    _run(["dpkg-deb", "-x", str(found[-1]), str(partial)])
+    _run(["dpkg-deb", "-x", str(deb), str(partial)])
     partial.rename(root)
+
+
+def headers_packages(release: str) -> list[str]:
+    """The headers package of `release` and the `-common` package it depends on."""
+    package = HEADERS_PREFIX + release
+    depends = _run(["apt-cache", "depends", "--no-recommends", "--no-suggests", package])
+    common = [
+        word
+        for line in depends.splitlines()
+        if (word := line.split()[-1]).startswith(HEADERS_PREFIX) and word.endswith("-common")
+    ]
+    return [*common[:1], package]
+
+
+def _dangling_links(directory: str, names: list[str]) -> list[str]:
+    return [name for name in names if not Path(directory, name).exists()]
+
+
+def _fetch_headers(tree: KernelTree, debs: Path) -> None:
+    """Unpacks the headers packages and merges their trees (`-common` first, the generated
+    arch-specific files over it) into `tree.root/headers`. The .debs are deleted after."""
+    partial = tree.root / (HEADERS_DIR + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    merged = partial / "merged"
+    for package in headers_packages(tree.release):
+        deb = _download(package, debs)
+        unpacked = partial / package
+        _run(["dpkg-deb", "-x", str(deb), str(unpacked)])
+        shutil.copytree(
+            unpacked / "usr" / "src" / package,
+            merged,
+            symlinks=True,
+            ignore=_dangling_links,  # scripts/, tools/: links into kbuild, which BCC needs not
+            dirs_exist_ok=True,
+        )
+        deb.unlink()
+    merged.rename(tree.root / HEADERS_DIR)
+    shutil.rmtree(partial)
 
 
 def _prune(spec: KernelSpec, keep: str, trees: Path, debs: Path) -> None:

@@ -23,7 +23,10 @@ from scripts.kernel_matrix.kernels import KernelTree
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
-GUEST_MODULE = "tests/kernel/guest_modes.py"
+GUEST_MODULES = ("tests/kernel/guest_modes.py", "tests/kernel/guest_bcc.py")
+HEADERS_ENV = "BCC_KERNEL_SOURCE"  # where BCC finds the guest kernel's headers
+# The guest mounts tmpfs over /var/cache, where the host keeps them: they are shared here.
+GUEST_HEADERS = "/tmp/kvwatch-headers"
 ACCEL_ENV = "KVWATCH_MATRIX_ACCEL"
 GUEST_CPUS = 2
 GUEST_MEMORY = "2G"
@@ -85,16 +88,17 @@ def accelerator() -> str:
 def pytest_command(results_file: Path) -> list[str]:
     return [
         sys.executable, "-m", "pytest", "-p", "pytest_timeout", "-p", "no:cacheprovider",
-        "-q", "-rfE", GUEST_MODULE, "--matrix-results", str(results_file),
+        "-q", "-rfE", *GUEST_MODULES, "--matrix-results", str(results_file),
     ]  # fmt: skip
 
 
 def vng_command(tree: KernelTree, results_dir: Path, guest_command: list[str]) -> list[str]:
     accel = ["--disable-kvm"] if accelerator() == "tcg" else []
+    headers = ["--rodir", f"{GUEST_HEADERS}={tree.headers}"] if tree.headers else []
     return [
         str(VENV_BIN / "vng"), "--run", str(tree.image), *accel, "--force-9p",
         "--cpus", str(GUEST_CPUS), "--memory", GUEST_MEMORY, "--rwdir", str(results_dir),
-        "--exec", shlex.join(guest_command),
+        *headers, "--exec", shlex.join(guest_command),
     ]  # fmt: skip
 
 
@@ -128,9 +132,11 @@ def run_on_host(results_file: Path, timeout_seconds: float) -> Run:
 
 
 def run_in_vm(tree: KernelTree, results_file: Path, timeout_seconds: float) -> Run:
-    """Boots `tree`'s kernel and runs the test module in it; the guest's environment is set on
+    """Boots `tree`'s kernel and runs the test modules in it; the guest's environment is set on
     its command line (virtme-ng does not pass the host's through)."""
     forwarded = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
+    if tree.headers is not None:
+        forwarded[HEADERS_ENV] = GUEST_HEADERS
     env_words = ["env", *(f"{key}={value}" for key, value in {**PYTEST_ENV, **forwarded}.items())]
     guest = [*env_words, *pytest_command(results_file)]
     return run(vng_command(tree, results_file.parent, guest), timeout_seconds, {})

@@ -1,0 +1,230 @@
+"""The BCC backend against the CO-RE backend, on the same kernel and the same sockets.
+
+Runs with the kernel matrix (scripts/kernel_matrix), like guest_modes.py. Where the row
+supplies the running kernel's headers (BCC_KERNEL_SOURCE; the Debian 6.1 row), both backends
+are attached at once and watch the same clients: every field of every record, the edge
+events and the stream states must agree. Elsewhere (no headers, as on the CI kernel) BCC
+must refuse and say what to install. Every kernel here has BTF, so `auto` must keep CO-RE
+and say why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from kvwatch.bpf.bcc import BCC_SEND_MODES, bcc_status
+from kvwatch.bpf.collector import BpfCollector, SocketEvent, record_to_sample
+from kvwatch.bpf.layout import KvSockRecord
+from kvwatch.bpf.loader import CollectorSettings
+from kvwatch.bpf.maps import read_record
+from kvwatch.collect import auto_backend
+from kvwatch.errors import BpfError
+from kvwatch.scenario import Scenario, ScenarioClient
+from kvwatch.sockets import Endpoint, SocketSample
+from kvwatch.states import StatePolicy, StreamState, classify
+from tests.bpf.conftest import EventLog, wait_for
+from tests.kernel.guest_modes import endpoint_of, server_side
+
+pytestmark = pytest.mark.bpf
+POLICY = StatePolicy(stall_seconds=2.0)
+WATCH_SECONDS = 2 * POLICY.stall_seconds + 0.5
+# Both programs on a hook run one after the other and read the clock separately; under
+# software emulation milliseconds can pass between them.
+CLOCK_TOLERANCE_NS = 200_000_000
+SETTLE_SECONDS = 5.0
+BYTE_FIELDS = {"saddr", "daddr", "comm"}
+STATUS = bcc_status()
+with_headers = pytest.mark.skipif(
+    not STATUS.usable, reason=f"BCC cannot run on this kernel: {STATUS.problem}"
+)
+
+
+@dataclass
+class Pair:
+    """Both backends attached at once, watching one scenario server. Owned by the fixture."""
+
+    core: BpfCollector
+    bcc: BpfCollector
+    core_events: EventLog
+    bcc_events: EventLog
+    scenario: Scenario
+    bcc_start_seconds: float
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    with Scenario() as scenario:
+        settings = CollectorSettings(ports=(scenario.port,))
+        core = BpfCollector(settings, "core")
+        try:
+            started = time.monotonic()
+            bcc = BpfCollector(settings, "bcc")
+            bcc_start_seconds = time.monotonic() - started
+        except BaseException:
+            core.close()
+            raise
+        try:
+            yield Pair(core, bcc, EventLog(core), EventLog(bcc), scenario, bcc_start_seconds)
+        finally:
+            bcc.close()
+            core.close()
+
+
+def record_fields(record: KvSockRecord) -> dict[str, Any]:
+    return {
+        name: bytes(getattr(record, name)) if name in BYTE_FIELDS else getattr(record, name)
+        for name, _ in KvSockRecord._fields_
+    }
+
+
+def sample_fields(sample: SocketSample) -> dict[str, Any]:
+    return {field.name: getattr(sample, field.name) for field in dataclasses.fields(sample)}
+
+
+def differences(core: dict[str, Any], bcc: dict[str, Any]) -> list[str]:
+    """Each field where the two views disagree; clocks (`*_ns`) may differ by the tolerance."""
+    found = []
+    for name, ours in core.items():
+        theirs = bcc[name]
+        if name.endswith("_ns"):
+            same = (ours == 0) == (theirs == 0) and abs(ours - theirs) <= CLOCK_TOLERANCE_NS
+        else:
+            same = ours == theirs
+        if not same:
+            found.append(f"{name}: CO-RE {ours!r}, BCC {theirs!r}")
+    return found
+
+
+def agreeing_records(pair: Pair, key: int) -> tuple[KvSockRecord, KvSockRecord]:
+    """Both records of socket `key`, read while no hook touched it (CO-RE's record is read
+    before and after BCC's and must not have changed); fails with the fields that still
+    disagree after SETTLE_SECONDS."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    last = ["no quiet moment to read both records in"]
+    while time.monotonic() < deadline:
+        before = read_record(pair.core.programs.sockets_fd, key)
+        theirs = read_record(pair.bcc.programs.sockets_fd, key)
+        after = read_record(pair.core.programs.sockets_fd, key)
+        if before is None or theirs is None or after is None:
+            last = [f"record missing: CO-RE {before is not None}, BCC {theirs is not None}"]
+        elif bytes(before) == bytes(after):
+            last = differences(record_fields(before), record_fields(theirs))
+            if not last:
+                return before, theirs
+        time.sleep(0.02)
+    raise AssertionError("CO-RE and BCC records differ:\n" + "\n".join(last))
+
+
+def server_key(pair: Pair, client: ScenarioClient) -> int:
+    found = wait_for(lambda: server_side(pair.core, client), 5.0, "the server socket's record")
+    return found.key
+
+
+def events_for(log: EventLog, peer: Endpoint) -> list[SocketEvent]:
+    return [event for event in log.drain() if event.sample.remote == peer]
+
+
+def kinds_for(log: EventLog, peer: Endpoint) -> list[str]:
+    return [event.kind for event in events_for(log, peer)]
+
+
+def test_auto_keeps_core_where_the_kernel_has_btf(
+    record_property: Callable[[str, object], None],
+) -> None:
+    backend, why = auto_backend()
+    record_property("bcc", STATUS.problem or f"usable, headers at {STATUS.headers}")
+    assert backend == "core", why
+    assert "has BTF" in why and "BCC is only for kernels without BTF" in why
+
+
+@pytest.mark.skipif(STATUS.usable, reason="this kernel has headers: BCC is compared instead")
+def test_bcc_refuses_without_headers_and_says_what_to_install() -> None:
+    with pytest.raises(BpfError) as refused:
+        BpfCollector(CollectorSettings(max_sockets=64), "bcc")
+    assert "the BCC backend cannot run" in refused.value.message
+    assert "apt install" in refused.value.hint and "dnf install" in refused.value.hint
+
+
+@with_headers
+def test_bcc_attaches_without_btf_only_modes(
+    pair: Pair, record_property: Callable[[str, object], None]
+) -> None:
+    hooks = pair.bcc.report.hooks
+    record_property("bcc_hooks", pair.bcc.report.describe())
+    record_property("bcc_start_seconds", round(pair.bcc_start_seconds, 1))
+    assert hooks["send"] in BCC_SEND_MODES
+    assert {hooks[hook] for hook in ("ack", "lifecycle", "retransmit")} == {"raw_tp"}
+    assert hooks["zero_window_probe"] == ("kprobe" if hooks["send"] == "kprobe" else "unavailable")
+
+
+@with_headers
+def test_stalled_slow_and_idle_clients_agree_field_by_field(pair: Pair) -> None:
+    clients = {kind: pair.scenario.connect(kind) for kind in ("stalled", "slow", "idle")}
+    keys = {kind: server_key(pair, client) for kind, client in clients.items()}
+    seen: dict[str, dict[str, set[StreamState]]] = {
+        backend: {kind: set() for kind in clients} for backend in ("core", "bcc")
+    }
+    deadline = time.monotonic() + WATCH_SECONDS
+    while time.monotonic() < deadline:
+        now = time.monotonic_ns()
+        for backend, collector in (("core", pair.core), ("bcc", pair.bcc)):
+            for kind, client in clients.items():
+                sample = server_side(collector, client)
+                if sample is not None:
+                    seen[backend][kind].add(classify(sample, now, POLICY))
+        time.sleep(0.05)
+    for backend in ("core", "bcc"):
+        assert StreamState.STALLED in seen[backend]["stalled"], (backend, seen)
+        assert StreamState.STALLED not in seen[backend]["slow"], (backend, seen)
+        assert StreamState.STALLED not in seen[backend]["idle"], (backend, seen)
+    for kind, key in keys.items():
+        ours, theirs = agreeing_records(pair, key)
+        now = time.monotonic_ns()
+        assert classify(record_to_sample(ours, now), now, POLICY) == classify(
+            record_to_sample(theirs, now), now, POLICY
+        ), kind
+    stalled = endpoint_of(clients["stalled"])
+    assert kinds_for(pair.core_events, stalled) == kinds_for(pair.bcc_events, stalled)
+    for client in clients.values():
+        client.close()
+
+
+@with_headers
+def test_reopening_the_window_ends_the_episode_in_both(pair: Pair) -> None:
+    client = pair.scenario.connect("stalled")
+    peer = endpoint_of(client)
+    wait_for(
+        lambda: "zero_window_start" in kinds_for(pair.bcc_events, peer), 5.0, "BCC's zero window"
+    )
+    time.sleep(1.0)
+    client.start_reading()
+    for log in (pair.core_events, pair.bcc_events):
+        wait_for(lambda: "zero_window_end" in kinds_for(log, peer), 5.0, "the window reopening")
+    ours = next(e for e in events_for(pair.core_events, peer) if e.kind == "zero_window_end")
+    theirs = next(e for e in events_for(pair.bcc_events, peer) if e.kind == "zero_window_end")
+    assert differences(sample_fields(ours.sample), sample_fields(theirs.sample)) == []
+    assert ours.sample.zero_window_episodes == theirs.sample.zero_window_episodes == 1
+    client.close()
+
+
+@with_headers
+def test_close_removes_both_records_with_the_same_close_event(pair: Pair) -> None:
+    client = pair.scenario.connect("healthy")
+    peer = endpoint_of(client)
+    key = server_key(pair, client)
+    wait_for(lambda: read_record(pair.bcc.programs.sockets_fd, key), 5.0, "BCC's record")
+    client.close()
+    for log in (pair.core_events, pair.bcc_events):
+        wait_for(lambda: "close" in kinds_for(log, peer), 5.0, "a close event")
+    ours = next(e for e in events_for(pair.core_events, peer) if e.kind == "close")
+    theirs = next(e for e in events_for(pair.bcc_events, peer) if e.kind == "close")
+    assert differences(sample_fields(ours.sample), sample_fields(theirs.sample)) == []
+    assert read_record(pair.core.programs.sockets_fd, key) is None
+    assert read_record(pair.bcc.programs.sockets_fd, key) is None
+    assert pair.core.stats()["records_deleted"] == pair.bcc.stats()["records_deleted"]

@@ -12,18 +12,17 @@ diag view of such sockets until BPF has its own record of them, then polls diag 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from kvwatch.bpf.collector import BpfBackend, BpfCollector
 from kvwatch.bpf.loader import BTF_PATH, AttachReport, CollectorSettings
+from kvwatch.config import BACKENDS, Backend
 from kvwatch.diag.snapshot import DiagClient
 from kvwatch.diag.tracker import DiagTracker
 from kvwatch.errors import ConfigError, KvwatchError
 from kvwatch.procfs import Procfs, SocketOwners
 from kvwatch.sockets import Endpoint, SocketSample
 
-Backend = Literal["auto", "core", "bcc", "diag"]
-BACKENDS: tuple[Backend, ...] = ("auto", "core", "bcc", "diag")
 BACKEND_TITLES = {"core": "CO-RE", "bcc": "BCC", "diag": "sock_diag polling"}
 ConnectionKey = tuple[int, Endpoint, Endpoint]
 

@@ -34,7 +34,8 @@ from kvwatch.states import StatePolicy
 
 Mode = Literal["observe", "enforce"]
 Action = Literal["cancel", "reset"]
-Backend = Literal["auto", "core", "diag"]
+Backend = Literal["auto", "core", "bcc", "diag"]
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 ENV_PREFIX = "KVWATCH_"
 
 

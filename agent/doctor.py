@@ -84,11 +84,34 @@ def check_btf() -> Check:
         return Check("kernel BTF", "ok", str(BTF_PATH))
     return Check(
         "kernel BTF",
-        "fail",
-        f"{BTF_PATH} is missing",
-        "use a kernel built with CONFIG_DEBUG_INFO_BTF=y, or the BCC backend "
-        "with kernel headers, or --backend diag",
+        "warn",
+        f"{BTF_PATH} is missing: the prebuilt CO-RE object cannot load here",
+        "use the BCC backend (kernel headers + BCC, see the BCC line), a kernel built with "
+        "CONFIG_DEBUG_INFO_BTF=y, or --backend diag",
     )
+
+
+def check_bcc(btf_present: bool) -> list[Check]:
+    """BCC's availability; without BTF, also whether it compiles and attaches kvwatch here."""
+    from kvwatch.bpf.bcc import BccPrograms, bcc_status
+
+    status = bcc_status()
+    if not status.usable:
+        if btf_present:
+            return [Check("BCC", "info", f"{status.problem} (not needed: the kernel has BTF)")]
+        return [Check("BCC", "fail", status.problem or "", f"{status.hint}; or --backend diag")]
+    found = f"Python package at {status.module}, kernel headers at {status.headers}"
+    if btf_present:
+        return [Check("BCC", "ok", f"{found}; auto uses CO-RE (the kernel has BTF)")]
+    checks = [Check("BCC", "ok", f"{found}; auto uses BCC (the kernel has no BTF)")]
+    try:
+        with BccPrograms(CollectorSettings(max_sockets=64)) as programs:
+            described = programs.report.describe()
+    except KvwatchError as exc:
+        checks.append(Check("BCC programs", "fail", exc.message, exc.hint))
+    else:
+        checks.append(Check("BCC programs", "ok", f"compiled and attached: {described}"))
+    return checks
 
 
 def check_tracefs() -> Check:
@@ -393,8 +416,10 @@ def run_checks(
         check_libbpf(),
         check_bpf_object(),
     ]
-    if all(c.status != "fail" for c in checks):
+    btf_present = BTF_PATH.exists()
+    if btf_present and all(c.status != "fail" for c in checks):
         checks.extend(check_send_modes())
+    checks.extend(check_bcc(btf_present))
     inventory = GpuInventory()
     try:
         checks.extend(check_gpus(inventory))

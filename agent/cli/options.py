@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import click
 
 from kvwatch.bpf.loader import SEND_MODES, CollectorSettings
-from kvwatch.collect import BACKENDS
+from kvwatch.config import BACKENDS
 from kvwatch.states import StatePolicy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -42,8 +42,10 @@ def collector_options(with_defaults: bool = True) -> Callable[[F], F]:
             "--backend",
             type=click.Choice(BACKENDS),
             **default("auto"),
-            help="core: BPF (CO-RE); diag: sock_diag polling, no BPF; "
-            "auto: core when it loads, else diag, saying why.",
+            help="core: the prebuilt BPF object (CO-RE, needs kernel BTF); bcc: the same "
+            "programs compiled at start-up by BCC against the kernel's headers (kernels "
+            "without BTF); diag: sock_diag polling, no BPF; auto: core with BTF, else bcc "
+            "when BCC and headers are installed, else diag, saying why.",
         ),
         click.option(
             "--send-hook",

@@ -77,9 +77,10 @@ def pair() -> Iterator[Pair]:
 
 
 def record_fields(record: KvSockRecord) -> dict[str, Any]:
+    names = [field[0] for field in KvSockRecord._fields_]
     return {
         name: bytes(getattr(record, name)) if name in BYTE_FIELDS else getattr(record, name)
-        for name, _ in KvSockRecord._fields_
+        for name in names
     }
 
 
@@ -132,6 +133,21 @@ def events_for(log: EventLog, peer: Endpoint) -> list[SocketEvent]:
 
 def kinds_for(log: EventLog, peer: Endpoint) -> list[str]:
     return [event.kind for event in events_for(log, peer)]
+
+
+def first_in_both(pair: Pair, peer: Endpoint, kind: str) -> tuple[SocketEvent, SocketEvent]:
+    """The first `kind` event for `peer` from CO-RE and from BCC, waiting for each."""
+
+    def first(log: EventLog) -> SocketEvent:
+        found = wait_for(
+            lambda: next((e for e in events_for(log, peer) if e.kind == kind), None),
+            5.0,
+            f"a {kind} event",
+        )
+        assert isinstance(found, SocketEvent)
+        return found
+
+    return first(pair.core_events), first(pair.bcc_events)
 
 
 def test_auto_keeps_core_where_the_kernel_has_btf(
@@ -204,10 +220,7 @@ def test_reopening_the_window_ends_the_episode_in_both(pair: Pair) -> None:
     )
     time.sleep(1.0)
     client.start_reading()
-    for log in (pair.core_events, pair.bcc_events):
-        wait_for(lambda: "zero_window_end" in kinds_for(log, peer), 5.0, "the window reopening")
-    ours = next(e for e in events_for(pair.core_events, peer) if e.kind == "zero_window_end")
-    theirs = next(e for e in events_for(pair.bcc_events, peer) if e.kind == "zero_window_end")
+    ours, theirs = first_in_both(pair, peer, "zero_window_end")
     assert differences(sample_fields(ours.sample), sample_fields(theirs.sample)) == []
     assert ours.sample.zero_window_episodes == theirs.sample.zero_window_episodes == 1
     client.close()
@@ -220,10 +233,7 @@ def test_close_removes_both_records_with_the_same_close_event(pair: Pair) -> Non
     key = server_key(pair, client)
     wait_for(lambda: read_record(pair.bcc.programs.sockets_fd, key), 5.0, "BCC's record")
     client.close()
-    for log in (pair.core_events, pair.bcc_events):
-        wait_for(lambda: "close" in kinds_for(log, peer), 5.0, "a close event")
-    ours = next(e for e in events_for(pair.core_events, peer) if e.kind == "close")
-    theirs = next(e for e in events_for(pair.bcc_events, peer) if e.kind == "close")
+    ours, theirs = first_in_both(pair, peer, "close")
     assert differences(sample_fields(ours.sample), sample_fields(theirs.sample)) == []
     assert read_record(pair.core.programs.sockets_fd, key) is None
     assert read_record(pair.bcc.programs.sockets_fd, key) is None

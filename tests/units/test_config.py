@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvwatch.bpf.loader import SEND_MODES
-from kvwatch.collect import BACKENDS
 from kvwatch.config import (
+    BACKENDS,
     AgentConfig,
     CollectorConfig,
     PolicyConfig,
@@ -137,7 +137,7 @@ def test_an_unknown_flag_key_is_an_error() -> None:
         ("policy.allow_comms", ("",), "policy.allow_comms must be a list of non-empty glob"),
         ("collector.ports", tuple(range(1, 18)), "a list of at most 16 ports"),
         ("collector.ports", 8000, "collector.ports must be a list of integers (got 8000,"),
-        ("collector.backend", "bcc", "collector.backend must be one of auto, core, diag"),
+        ("collector.backend", "ebpf", "collector.backend must be one of auto, core, bcc, diag"),
         ("collector.send_hook", "tp", "collector.send_hook must be one of auto, fentry"),
         ("collector.pid", -3, "collector.pid must be >= 0"),
         ("collector.max_sockets", 0, "collector.max_sockets must be >= 1"),

@@ -5,25 +5,22 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BPF_OBJ := agent/bpf/kvwatch.bpf.o
 BPF_SRC := $(wildcard bpf/*.c bpf/*.h)
-# What BCC compiles at start-up, shipped with the package (kvwatch/bpf/csrc).
-BCC_SRC := $(addprefix agent/bpf/csrc/,kvwatch_bcc.c kvwatch.h kvwatch_socket.h kvwatch_hooks.h)
+# The CO-RE object, and the sources BCC compiles at start-up (package data, kvwatch/bpf/csrc).
+BPF_BUILT := $(BPF_OBJ) agent/bpf/csrc/kvwatch_bcc.c
 STAMP := $(VENV)/.kvwatch-installed
 
 .PHONY: setup bpf test demo bench lint clean kernel-matrix
 
-setup: $(STAMP) $(BPF_OBJ) $(BCC_SRC)
+setup: $(STAMP) $(BPF_BUILT)
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
 
-bpf: $(BPF_OBJ) $(BCC_SRC)
+bpf: $(BPF_BUILT)
 
-$(BPF_OBJ): $(BPF_SRC) | $(STAMP)
-	$(MAKE) -C bpf OUT=$(abspath $@)
-
-agent/bpf/csrc/%: bpf/%
-	install -D -m 0644 $< $@
+$(BPF_BUILT) &: $(BPF_SRC) | $(STAMP)
+	$(MAKE) -C bpf OUT=$(abspath $(BPF_OBJ)) BCC_DIR=$(abspath agent/bpf/csrc)
 
 test: setup
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
@@ -42,6 +39,7 @@ bench: setup
 	$(PY) -m bench.bench_stall_to_free
 	$(PY) -m bench.bench_rescue
 	$(PY) -m bench.bench_footprint
+	$(PY) -m bench.bench_backends
 
 # mypy cannot follow setuptools' package-dir mapping through an editable install, so it
 # reads the package through a small tree of links that spells the import names.

@@ -71,8 +71,10 @@ def test_build_stage_compiles_the_bpf_object_and_the_wheels() -> None:
     assert {"clang", "libbpf-dev", "python3"} <= build.apt_packages()
     runs = " ".join(build.arguments("RUN"))
     assert "make -C bpf CC=clang OUT=/src/agent/bpf/kvwatch.bpf.o" in runs
+    assert "BCC_DIR=/src/agent/bpf/csrc" in runs
     assert "pip wheel --wheel-dir /wheels /src" in runs
-    assert "kvwatch/bpf/kvwatch.bpf.o" in runs  # the wheel is checked to carry the object
+    # the wheel is checked to carry the object and BCC's sources
+    assert "kvwatch/bpf/kvwatch.bpf.o" in runs and "kvwatch/bpf/csrc/kvwatch_bcc.c" in runs
 
 
 def test_runtime_stage_has_python_libbpf_and_the_wheel_but_no_compiler() -> None:

@@ -104,7 +104,6 @@ class BpfCollector:
     source: Source = "bpf"
 
     def __init__(self, settings: CollectorSettings, backend: BpfBackend = "core") -> None:
-        self.backend = backend
         self.programs = load_programs(settings, backend)
         self._converted: dict[int, tuple[bytes, SocketSample]] = {}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -146,14 +147,17 @@ def test_agent_that_never_reads_costs_the_engine_nothing(
     agent = agent_factory(reading=False)
     hook = hook_factory(queue_size=64, send_timeout_seconds=30.0)
     wait_until(lambda: hook.connected)
-    slowest = 0.0
+    durations = []
     for number in range(4000):
         started = time.perf_counter()
         hook.stream_opened(f"r{number}", SERVER, _client(1024 + number), 1)
         if number % 2:
             hook.stream_closed(f"r{number}", "finished")
-        slowest = max(slowest, time.perf_counter() - started)
-    assert slowest < 0.25, f"one stream call took {slowest * 1000:.1f} ms"
+        durations.append(time.perf_counter() - started)
+    # A call that waited on the agent's socket would take the 30 s send timeout. Far below
+    # that, the slowest call is the scheduler's doing (hundreds of ms on a busy 2-core VM).
+    assert max(durations) < 2.0, f"one stream call took {max(durations) * 1000:.1f} ms"
+    assert statistics.median(durations) < 0.001, f"median {statistics.median(durations)} s"
     wait_until(lambda: hook.counters()["dropped_queue_full"] > 0)
 
     agent.resume_reading()  # the agent recovers: a resync restores the exact live set

@@ -100,6 +100,7 @@ class MatrixResults:
         entry = self.tests.setdefault(
             report.nodeid,
             {
+                "module": report.nodeid.split("::")[0],
                 "name": report.nodeid.split("::")[-1].split("[")[0],
                 "combo": combo.id if combo else None,
                 "hooks": self.hooks.get(report.nodeid),

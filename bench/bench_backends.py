@@ -140,9 +140,9 @@ def main() -> None:
     assert tree.headers is not None
     starts: dict[str, list[dict[str, Any]]] = {"core": [], "bcc": []}
     for round_index in range(REPEATS):
-        for backend in starts:
-            starts[backend].append(one_start(backend, tree.headers))
-            print(f"round {round_index + 1}: {backend} {starts[backend][-1]}", file=sys.stderr)
+        for backend, done in starts.items():
+            done.append(one_start(backend, tree.headers))
+            print(f"round {round_index + 1}: {backend} {done[-1]}", file=sys.stderr)
     core_disk = installed_mb(CORE_PACKAGES)
     core_disk["kvwatch.bpf.o"] = Path("agent/bpf/kvwatch.bpf.o").stat().st_size / MB
     bcc_disk = installed_mb(BCC_PACKAGES)

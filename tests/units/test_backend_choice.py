@@ -66,3 +66,26 @@ def test_bcc_is_imported_from_the_system_without_its_neighbours() -> None:
     module_file, leaked = done.stdout.split()
     assert module_file.startswith(SYSTEM_PYTHON_DIRS), module_file
     assert leaked == "False"
+
+
+def test_a_machine_without_bcc_gets_an_error_that_says_what_to_install() -> None:
+    probe = (
+        "import sys\n"
+        "sys.modules.pop('bcc', None)\n"
+        "import kvwatch.bpf.bcc as bcc_module\n"
+        "bcc_module.SYSTEM_PYTHON_DIRS = ('/nonexistent',)\n"
+        "from kvwatch.errors import BpfError\n"
+        "try:\n"
+        "    bcc_module.import_bcc()\n"
+        "except BpfError as exc:\n"
+        "    print(exc.message); print(exc.hint)\n"
+        "status = bcc_module.bcc_status()\n"
+        "print(status.usable)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    message, hint, usable = done.stdout.strip().splitlines()
+    assert message.startswith("BCC is not installed")
+    assert "apt install python3-bpfcc" in hint and "dnf install python3-bcc" in hint
+    assert usable == "False"

@@ -48,9 +48,7 @@ def child(backend: str) -> None:
     imported = time.monotonic()
     collector = BpfCollector(CollectorSettings(ports=(9,)), backend)  # type: ignore[arg-type]
     attached = time.monotonic()
-    status = dict(
-        line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines()
-    )
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     collector.close()
     print(
         json.dumps(

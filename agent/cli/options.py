@@ -92,3 +92,9 @@ def collector_settings(
 
 def state_policy(stall_seconds: float) -> StatePolicy:
     return StatePolicy(stall_seconds=stall_seconds)
+
+
+def announce_collector(note: str) -> None:
+    """The collector's one-line account of itself (which backend, why, which hooks), on
+    stderr, never wrapped: scripts and logs read it as one line."""
+    click.secho(note, err=True, dim=True)

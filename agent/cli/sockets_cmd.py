@@ -9,7 +9,12 @@ import click
 from rich.console import Console
 from rich.live import Live
 
-from kvwatch.cli.options import collector_options, collector_settings, state_policy
+from kvwatch.cli.options import (
+    announce_collector,
+    collector_options,
+    collector_settings,
+    state_policy,
+)
 from kvwatch.collect import open_collector
 from kvwatch.sockets import SocketSample
 from kvwatch.states import StatePolicy, StreamState, classify
@@ -71,7 +76,7 @@ def command(
     settings = collector_settings(ports, pid, send_hook, max_sockets)
     policy = state_policy(stall_seconds)
     opened = open_collector(settings, backend, procfs_root)
-    Console(stderr=True).print(f"[dim]{opened.note}[/dim]")
+    announce_collector(opened.note)
     try:
         time.sleep(settle)
         if watch and not as_json:

@@ -8,7 +8,12 @@ import time
 import click
 from rich.console import Console
 
-from kvwatch.cli.options import collector_options, collector_settings, state_policy
+from kvwatch.cli.options import (
+    announce_collector,
+    collector_options,
+    collector_settings,
+    state_policy,
+)
 from kvwatch.client import DEFAULT_AGENT_URL
 from kvwatch.top.app import print_frame, run_live, run_piped
 from kvwatch.top.model import SORT_KEYS, STATE_SEVERITY, RowFilter
@@ -104,7 +109,7 @@ def command(
         standalone_source = StandaloneSource(
             settings, backend, procfs_root, state_policy(stall_seconds)
         )
-        Console(stderr=True).print(f"[dim]{standalone_source.note}[/dim]")
+        announce_collector(standalone_source.note)
         source = standalone_source
         time.sleep(settle)
     else:

@@ -125,9 +125,10 @@ def bcc(rows: list[RowResult]) -> list[str]:
     lines = [
         "## The BCC backend",
         "",
-        f"`{BCC_TESTS}`: where a row supplies the kernel's headers, BCC and CO-RE are",
-        "attached at once to the same sockets (stalled, slow-but-draining, idle, reopening,",
-        "closing); every record field, the edge events and the stream states must agree.",
+        f"`{BCC_TESTS}`: where a row supplies the kernel's headers, BCC and CO-RE (forced into",
+        "BCC's attach modes) are attached at once to the same sockets (stalled,",
+        "slow-but-draining, idle, reopening, closing); every record field, the edge events and",
+        "the stream states must agree.",
         "Elsewhere BCC must refuse and say what to install. Every kernel here has BTF, so `auto`",
         "must keep CO-RE.",
         "",

@@ -121,11 +121,15 @@ def test_agent_cancel_frees_the_stalled_request_and_resets_its_client(
             requests = server.engine.stats().requests
             return requests[0].kv_blocks if requests[0].state == "egress_blocked" else -1
 
-        wait_until(lambda: pinned_blocks() > 0)
+        def reported_blocks() -> int:
+            """The agent's newest view of the request's blocks."""
+            updates = [m.kv_blocks for m in list(agent.messages) if isinstance(m, Update)]
+            return updates[-1] if updates else -1
+
+        # Bytes still in flight can let a blocked request advance once more: wait until the
+        # engine's pinned blocks and the agent's newest update agree.
+        wait_until(lambda: pinned_blocks() > 0 and reported_blocks() == pinned_blocks())
         blocks = pinned_blocks()
-        agent.wait_for(
-            lambda m: isinstance(m, Update) and m.kv_blocks == blocks, f"update to {blocks} blocks"
-        )
 
         agent.send(Cancel(request_id="cmpl-hooked", reason="stalled", correlation_id="c-1"))
         answer = agent.wait_for(lambda m: isinstance(m, Cancelled), "cancelled")

@@ -24,6 +24,7 @@ from kvwatch.procfs import Procfs, SocketOwners
 from kvwatch.sockets import Endpoint, SocketSample
 
 BACKEND_TITLES = {"core": "CO-RE", "bcc": "BCC", "diag": "sock_diag polling"}
+DIAG_LIMITS = "no edge events, episodes at poll resolution"
 ConnectionKey = tuple[int, Endpoint, Endpoint]
 
 
@@ -159,8 +160,7 @@ def auto_backend() -> tuple[Backend, str]:
         )
     return "diag", (
         f"auto chose sock_diag polling: the kernel has no BTF ({BTF_PATH} is missing) and BCC "
-        f"cannot run ({status.problem}): no edge events, episodes at poll resolution. "
-        f"To fix: {status.hint}"
+        f"cannot run ({status.problem}): {DIAG_LIMITS}. To fix: {status.hint}"
     )
 
 
@@ -185,7 +185,7 @@ def open_collector(
             raise
         note = (
             f"{why}, but BPF is unavailable ({exc.message}); falling back to sock_diag "
-            f"polling: no edge events, episodes at poll resolution. To fix: {exc.hint}"
+            f"polling: {DIAG_LIMITS}. To fix: {exc.hint}"
         )
         return OpenedCollector(DiagCollector(settings, owners), "diag", note)
     merged = MergedCollector(bpf, DiagCollector(settings, owners), owners)

@@ -37,6 +37,15 @@ PROMPT = (
 )
 
 
+# The slow client reads 8 KB/s through a 4 KiB receive buffer: slower than the stream, so its
+# window closes again and again, yet it never goes 2 s without ACK progress (0 of 5 demo runs
+# acted on it). At 2 KB/s (the loadgen's default) its window can stay shut for over 2 s
+# between reopenings, which the demo's 2 s threshold calls stalled: 2 of 4 demo runs cancelled
+# such a client. A threshold must exceed the slowest legitimate reader's refill gap
+# (docs/collector.md).
+SLOW_BYTES_PER_SECOND = 8192
+
+
 @dataclass
 class DemoSettings:
     seconds: float = 15.0
@@ -45,6 +54,7 @@ class DemoSettings:
     stalled: int = 3
     max_tokens: int = 300
     stall_seconds: float = 2.0
+    slow_bytes_per_second: int = SLOW_BYTES_PER_SECOND
 
 
 @dataclass
@@ -85,6 +95,7 @@ def run_phase(
             url=stack.engine_url,
             healthy=settings.healthy,
             slow=settings.slow,
+            slow_bytes_per_second=settings.slow_bytes_per_second,
             stalled=settings.stalled,
             duration_seconds=settings.seconds,
             max_tokens=settings.max_tokens,

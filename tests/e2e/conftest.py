@@ -62,7 +62,7 @@ class Stack(processes.Stack):
             stalled=stalled,
             duration_seconds=seconds,
             max_tokens=max_tokens,
-            slow_bytes_per_second=8192,
+            slow_bytes_per_second=demo.SLOW_BYTES_PER_SECOND,
             rcvbuf_bytes=4096,
         )
         return asyncio.run(run_load(plan))

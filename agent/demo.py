@@ -17,20 +17,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvwatch.loadgen import LoadPlan, LoadReport, run_load
 from kvwatch.stack import Stack
 
+
 # A small pool and long prompts (a retrieval-augmented request carries its context): three
 # stalled requests pin most of the pool, so healthy ones queue behind them. A small send
 # buffer makes a stalled stream block after ~60 tokens, as a long (reasoning) generation
 # would with the kernel's default buffers.
-ENGINE_ARGS = (
-    "--model-size",
-    "tiny",
-    "--egress",
-    "coupled",
-    "--kv-blocks",
-    "160",
-    "--sndbuf-bytes",
-    "8192",
-)
+def engine_args(kv_blocks: int) -> tuple[str, ...]:
+    """The reference engine as the demo, the end-to-end tests and the benchmarks run it:
+    the tiny model, coupled egress (a blocked stream pins its KV), an 8 KiB send buffer."""
+    return (
+        "--model-size", "tiny", "--egress", "coupled", "--kv-blocks", str(kv_blocks),
+        "--sndbuf-bytes", "8192",
+    )  # fmt: skip
+
+
+ENGINE_ARGS = engine_args(kv_blocks=160)
 PROMPT = (
     "Summarise the following maintenance log of a lighthouse. " + "The lamp was "
     "cleaned, the lens polished and the log signed at dawn. " * 8

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, write_result
+from kvwatch.bpf.bcc import HEADERS_ENV
 
 REPEATS = 3
 MB = 1_000_000
@@ -69,7 +70,7 @@ def one_start(backend: str, headers: Path) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "BCC_KERNEL_SOURCE": str(headers)},
+        env={**os.environ, HEADERS_ENV: str(headers)},
         check=False,
     )
     if done.returncode != 0:

@@ -45,6 +45,7 @@ from typing import Any
 
 from bench.common import RESULTS, write_result
 from bench.stack import engine_connection, stall_arrivals
+from kvwatch import demo
 from kvwatch.demo import PROMPT, scrape
 from kvwatch.errors import KvwatchError
 from kvwatch.loadgen import LoadPlan, LoadReport, run_load
@@ -53,16 +54,7 @@ from kvwatch.loadgen.runner import ProgressCallback
 from kvwatch.stack import Stack
 
 KV_BLOCKS = 450
-ENGINE_ARGS = (
-    "--model-size",
-    "tiny",
-    "--egress",
-    "coupled",
-    "--kv-blocks",
-    str(KV_BLOCKS),
-    "--sndbuf-bytes",
-    "8192",
-)
+ENGINE_ARGS = demo.engine_args(KV_BLOCKS)
 HEALTHY_CLIENTS = 6
 STALLED_SHARE = 0.25  # of all requests
 HEALTHY_MAX_TOKENS = 256

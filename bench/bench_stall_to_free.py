@@ -42,20 +42,12 @@ from typing import Any
 
 from bench.common import RESULTS, write_result
 from bench.stack import engine_connection, stall_arrivals
+from kvwatch import demo
 from kvwatch.loadgen import LoadPlan, run_load
 from kvwatch.loadgen.report import percentile
 from kvwatch.stack import Stack
 
-ENGINE_ARGS = (
-    "--model-size",
-    "tiny",
-    "--egress",
-    "coupled",
-    "--kv-blocks",
-    "1024",
-    "--sndbuf-bytes",
-    "8192",
-)
+ENGINE_ARGS = demo.engine_args(kv_blocks=1024)
 PROMPT = "Tell me a long story about a lighthouse keeper."
 MAX_TOKENS = 400
 STALL_SECONDS = 1.0

@@ -25,7 +25,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kvwatch.bpf.layout import KvSettings
 from kvwatch.bpf.libbpf import check_rc, libbpf
 from kvwatch.bpf.loader import (
     PROBE0_PROGRAMS,
@@ -229,13 +228,7 @@ class BccPrograms:
         return int(self._bpf[name.encode()].map_fd)
 
     def _write_settings(self, settings: CollectorSettings) -> None:
-        values = KvSettings(
-            filter_cgroup_id=settings.cgroup_id,
-            filter_tgid=settings.pid,
-            filter_port_count=len(settings.ports),
-        )
-        for index, port in enumerate(settings.ports):
-            values.filter_ports[index] = port
+        values = settings.kernel_settings()
         key = ctypes.c_uint32(0)
         check_rc(
             libbpf().bpf_map_update_elem(

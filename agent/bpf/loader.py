@@ -91,6 +91,17 @@ class CollectorSettings:
     send_mode: str = "auto"
     tracepoint_mode: str = "auto"
 
+    def kernel_settings(self) -> KvSettings:
+        """The filters as the programs read them (struct kv_settings), for either toolchain."""
+        values = KvSettings(
+            filter_cgroup_id=self.cgroup_id,
+            filter_tgid=self.pid,
+            filter_port_count=len(self.ports),
+        )
+        for index, port in enumerate(self.ports):
+            values.filter_ports[index] = port
+        return values
+
     def validate(self) -> None:
         if len(self.ports) > MAX_FILTER_PORTS:
             raise ConfigError(
@@ -194,13 +205,7 @@ class _OpenObject:
         self._write_settings(settings)
 
     def _write_settings(self, settings: CollectorSettings) -> None:
-        values = KvSettings(
-            filter_cgroup_id=settings.cgroup_id,
-            filter_tgid=settings.pid,
-            filter_port_count=len(settings.ports),
-        )
-        for index, port in enumerate(settings.ports):
-            values.filter_ports[index] = port
+        values = settings.kernel_settings()
         btf = check_ptr(self.lib.bpf_object__btf(self.handle), "read the object's BTF")
         offset, size = datasec_offset(btf, ".rodata", "kv_settings")
         if size != ctypes.sizeof(KvSettings):

@@ -9,7 +9,7 @@ import click
 
 from kvwatch.bpf.loader import SEND_MODES, CollectorSettings
 from kvwatch.config import BACKENDS
-from kvwatch.states import StatePolicy
+from kvwatch.states import StatePolicy, StreamState
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -98,3 +98,14 @@ def announce_collector(note: str) -> None:
     """The collector's one-line account of itself (which backend, why, which hooks), on
     stderr, never wrapped: scripts and logs read it as one line."""
     click.secho(note, err=True, dim=True)
+
+
+def state_filter_option() -> Callable[[F], F]:
+    """--state (repeatable): show only streams in these states; passed as `states`."""
+    return click.option(
+        "--state",
+        "states",
+        type=click.Choice([s.value for s in StreamState]),
+        multiple=True,
+        help="Show only streams in this state (repeatable).",
+    )

@@ -13,23 +13,18 @@ from kvwatch.cli.options import (
     announce_collector,
     collector_options,
     collector_settings,
+    state_filter_option,
     state_policy,
 )
 from kvwatch.collect import open_collector
 from kvwatch.sockets import SocketSample
-from kvwatch.states import StatePolicy, StreamState, classify
+from kvwatch.states import StatePolicy, classify
 from kvwatch.views import socket_json, sockets_table
 
 
 @click.command("sockets")
 @collector_options()
-@click.option(
-    "--state",
-    "states",
-    type=click.Choice([s.value for s in StreamState]),
-    multiple=True,
-    help="Show only streams in this state (repeatable).",
-)
+@state_filter_option()
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON contract (an array).")
 @click.option("--watch", is_flag=True, help="Refresh until interrupted (Ctrl-C).")
 @click.option(

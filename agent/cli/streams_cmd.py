@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvwatch.cli.options import state_filter_option
 from kvwatch.client import DEFAULT_AGENT_URL, get_json
 from kvwatch.states import StreamState
 from kvwatch.views import STATE_STYLES, human_bytes
@@ -16,13 +17,7 @@ from kvwatch.views import STATE_STYLES, human_bytes
 
 @click.command("streams")
 @click.option("--url", default=DEFAULT_AGENT_URL, show_default=True, help="The agent's HTTP API.")
-@click.option(
-    "--state",
-    "states",
-    type=click.Choice([s.value for s in StreamState]),
-    multiple=True,
-    help="Show only streams in this state (repeatable).",
-)
+@state_filter_option()
 @click.option(
     "--json",
     "as_json",

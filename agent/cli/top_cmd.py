@@ -12,11 +12,12 @@ from kvwatch.cli.options import (
     announce_collector,
     collector_options,
     collector_settings,
+    state_filter_option,
     state_policy,
 )
 from kvwatch.client import DEFAULT_AGENT_URL
 from kvwatch.top.app import print_frame, run_live, run_piped
-from kvwatch.top.model import SORT_KEYS, STATE_SEVERITY, RowFilter
+from kvwatch.top.model import SORT_KEYS, RowFilter
 from kvwatch.top.sources import DaemonSource, FrameSource, StandaloneSource
 
 
@@ -35,13 +36,7 @@ from kvwatch.top.sources import DaemonSource, FrameSource, StandaloneSource
     "--stall-seconds apply only here.",
 )
 @collector_options()
-@click.option(
-    "--state",
-    "states",
-    type=click.Choice(STATE_SEVERITY),
-    multiple=True,
-    help="Show only streams in this state (repeatable).",
-)
+@state_filter_option()
 @click.option(
     "--sort", type=click.Choice(SORT_KEYS), default="stuck", show_default=True, help="Row order."
 )

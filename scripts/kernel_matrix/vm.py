@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvwatch.bpf.bcc import HEADERS_ENV
 from scripts.kernel_matrix.kernels import KernelTree
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 GUEST_MODULES = ("tests/kernel/guest_modes.py", "tests/kernel/guest_bcc.py")
-HEADERS_ENV = "BCC_KERNEL_SOURCE"  # where BCC finds the guest kernel's headers
 # The guest mounts tmpfs over /var/cache, where the host keeps them: they are shared here.
 GUEST_HEADERS = "/tmp/kvwatch-headers"
 ACCEL_ENV = "KVWATCH_MATRIX_ACCEL"

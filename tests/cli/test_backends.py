@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kvwatch.bpf.bcc import HEADERS_ENV
 from kvwatch.errors import EXIT_PRIVILEGE
 from kvwatch.scenario import Scenario
 from tests.cli.test_sockets_doctor import kvwatch
@@ -22,7 +23,7 @@ def test_auto_says_it_chose_core_because_the_kernel_has_btf() -> None:
 
 
 def test_bcc_without_headers_exits_3_and_says_what_to_install() -> None:
-    result = kvwatch("sockets", "--backend", "bcc", env={"BCC_KERNEL_SOURCE": ""})
+    result = kvwatch("sockets", "--backend", "bcc", env={HEADERS_ENV: ""})
     assert result.returncode == EXIT_PRIVILEGE, result.stderr
     assert "the BCC backend cannot run: no kernel headers for" in result.stderr
     assert "apt install linux-headers-" in result.stderr

@@ -15,6 +15,14 @@ from kvwatch.bpf.bcc import HEADERS_ENV, SYSTEM_PYTHON_DIRS, kernel_headers
 from kvwatch.collect import auto_backend
 
 
+def printed_by(probe: str) -> list[str]:
+    """The lines a fresh interpreter prints running `probe` (BCC's import is process-wide)."""
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    return done.stdout.strip().splitlines()
+
+
 def header_tree(root: Path) -> Path:
     (root / "include" / "linux").mkdir(parents=True)
     (root / "include" / "linux" / "kconfig.h").write_text("/* headers */\n")
@@ -60,10 +68,7 @@ def test_bcc_is_imported_from_the_system_without_its_neighbours() -> None:
         "print(importlib.util.find_spec('yaml') is not None and "
         "importlib.util.find_spec('yaml').origin.startswith('/usr/lib/python3/'))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
-    )
-    module_file, leaked = done.stdout.split()
+    module_file, leaked = printed_by(probe)
     assert module_file.startswith(SYSTEM_PYTHON_DIRS), module_file
     assert leaked == "False"
 
@@ -82,10 +87,7 @@ def test_a_machine_without_bcc_gets_an_error_that_says_what_to_install() -> None
         "status = bcc_module.bcc_status()\n"
         "print(status.usable)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
-    )
-    message, hint, usable = done.stdout.strip().splitlines()
+    message, hint, usable = printed_by(probe)
     assert message.startswith("BCC is not installed")
     assert "apt install python3-bpfcc" in hint and "dnf install python3-bcc" in hint
     assert usable == "False"

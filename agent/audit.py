@@ -3,9 +3,12 @@
 Each line goes to a file (appended, flushed per line) and, by default, to stdout, which
 journald collects under systemd. A decision line holds the time (RFC 3339 UTC and monotonic
 nanoseconds), the verdict, actions, reason, detail, request ID and the evidence the caller
-gathered (socket fields and durations, KV bytes, GPU memory). An outcome line records what an
-action did (the engine's cancel acknowledgement with the freed blocks and bytes, or the reset's
-result). Rotation is not done here: use logrotate with `copytruncate` (the file is kept open
+gathered (socket fields and durations, the judge's required time and evidence, KV bytes, GPU
+memory). An outcome line records what an action did (the engine's cancel acknowledgement with
+the freed blocks and bytes, or the reset's result). Both carry the same reference: the
+decision's id, the request ID (null for a stream no engine announced) and the socket's
+local and remote addresses, so an outcome is matched to its decision by id, never by position.
+Rotation is not done here: use logrotate with `copytruncate` (the file is kept open
 in append mode, so writes after a truncation land at the new end).
 """
 
@@ -19,13 +22,24 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO, Final, TextIO
 
 from kvwatch.errors import ConfigError
 from kvwatch.policy import Decision
 
 log = logging.getLogger(__name__)
+
+
+# What ties audit lines together: decision_id, request_id, local, remote.
+Reference = Mapping[str, Any]
+REFERENCE_KEYS = ("decision_id", "request_id", "local", "remote")
+
+
+def _referenced(ref: Reference | None) -> dict[str, Any]:
+    """The reference fields of an entry, each present (null when unknown)."""
+    given = ref or {}
+    return {key: given.get(key) for key in REFERENCE_KEYS}
 
 
 class _Stdout:
@@ -84,26 +98,27 @@ class AuditLog:
         self.write_errors = 0
 
     def record(
-        self, decision: Decision, evidence: dict[str, Any], *, request_id: str | None = None
+        self, decision: Decision, evidence: dict[str, Any], ref: Reference | None = None
     ) -> dict[str, Any]:
-        """Logs one decision about the stream of `request_id` (None: no engine announced it)
-        with its evidence; returns the entry as written."""
+        """Logs one decision with its evidence; `ref` names it and its stream (decision_id,
+        request_id, local, remote). Returns the entry as written."""
         entry: dict[str, Any] = {
             "kind": "decision",
+            **_referenced(ref),
             "verdict": decision.verdict,
             "actions": list(decision.actions),
             "reason": decision.reason,
             "detail": decision.detail,
-            "request_id": request_id,
             "evidence": evidence,
         }
         return self._write(entry)
 
     def record_outcome(
-        self, request_id: str | None, action: str, result: dict[str, Any]
+        self, ref: Reference | None, action: str, result: dict[str, Any]
     ) -> dict[str, Any]:
-        """Logs what an action did (cancel acknowledgement, reset result); returns the entry."""
-        entry = {"kind": "outcome", "request_id": request_id, "action": action, "result": result}
+        """Logs what an action did (cancel acknowledgement, reset result) under the reference
+        of the decision that ordered it; returns the entry."""
+        entry = {"kind": "outcome", **_referenced(ref), "action": action, "result": result}
         return self._write(entry)
 
     def _write(self, fields: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,17 @@ ConnectionKey = tuple[int, Endpoint, Endpoint]
 
 
 class SocketCollector(Protocol):
+    """Every collector is also the door every sample passes before anyone judges it: owner
+    resolution and bootstrap carry-over happen in `samples`, `sample` and `admit` alike.
+    Call them from one thread (the owner cache is not thread-safe)."""
+
     def samples(self) -> list[SocketSample]: ...
+
+    def sample(self, key: int) -> SocketSample | None:
+        """A fresh look at one socket (None: gone, or never seen)."""
+
+    def admit(self, sample: SocketSample) -> SocketSample:
+        """A sample that came another way (an edge event), through the same door."""
 
     def close(self) -> None: ...
 
@@ -42,10 +52,20 @@ class DiagCollector:
         self.pid = settings.pid
         self.client = DiagClient()
         self.tracker = DiagTracker(owners)
+        self._last: dict[int, SocketSample] = {}
 
     def samples(self) -> list[SocketSample]:
         found = self.tracker.update(self.client.snapshot(self.ports))
-        return [s for s in found if not self.pid or s.pid == self.pid]
+        kept = [s for s in found if not self.pid or s.pid == self.pid]
+        self._last = {s.key: s for s in kept}
+        return kept
+
+    def sample(self, key: int) -> SocketSample | None:
+        """The last poll's view (polls run every half second; there is nothing fresher)."""
+        return self._last.get(key)
+
+    def admit(self, sample: SocketSample) -> SocketSample:
+        return sample  # the tracker resolved its owner when it polled
 
     def close(self) -> None:
         self.client.close()
@@ -63,7 +83,8 @@ def _earliest_open(first: int, second: int) -> int:
 def carry_bootstrap(bpf: SocketSample, diag: SocketSample) -> SocketSample:
     """BPF's view of a socket that sock_diag saw first. Call it only while not one byte has
     been acknowledged since diag's last look (the kernel's bytes_acked is unchanged): then the
-    stall evidence diag gathered still holds, so its older clocks are kept."""
+    stall evidence diag gathered (from the kernel's persist timer, see
+    DiagTracker) still holds, so its older clocks are kept."""
     return bpf.with_changes(
         progress_ns=min(bpf.progress_ns, diag.progress_ns),
         first_seen_ns=min(bpf.first_seen_ns, diag.first_seen_ns),
@@ -94,7 +115,7 @@ class MergedCollector:
         return self.bpf.report
 
     def samples(self) -> list[SocketSample]:
-        found = [self._with_owner(sample) for sample in self.bpf.samples()]
+        found = [self.admit(sample) for sample in self.bpf.samples()]
         waiting: list[SocketSample] = []
         if self.diag is not None:
             bootstrapped = self.diag.samples()
@@ -104,7 +125,14 @@ class MergedCollector:
             if not waiting:
                 self.diag.close()
                 self.diag = None
-        return [self._carried(sample) for sample in found] + waiting
+        return found + waiting
+
+    def sample(self, key: int) -> SocketSample | None:
+        fresh = self.bpf.sample(key)
+        return self.admit(fresh) if fresh is not None else None
+
+    def admit(self, sample: SocketSample) -> SocketSample:
+        return self._carried(self._with_owner(sample))
 
     def _carried(self, sample: SocketSample) -> SocketSample:
         if not self.handover:
@@ -114,7 +142,7 @@ class MergedCollector:
         if earlier is None:
             return sample
         if sample.bytes_acked != earlier.bytes_acked:
-            del self.handover[key]
+            self.handover.pop(key, None)
             return sample
         return carry_bootstrap(sample, earlier)
 

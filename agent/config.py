@@ -30,7 +30,7 @@ else:  # Python 3.10
 from kvwatch.bpf.layout import MAX_FILTER_PORTS
 from kvwatch.bpf.loader import SEND_MODES
 from kvwatch.errors import ConfigError
-from kvwatch.states import StatePolicy
+from kvwatch.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StatePolicy
 
 Mode = Literal["observe", "enforce"]
 Action = Literal["cancel", "reset"]
@@ -52,6 +52,7 @@ class PolicyConfig:
     mode: Mode = "observe"
     actions: tuple[Action, ...] = ("cancel",)
     stall_seconds: float = 3.0
+    min_reader_bytes_per_second: int = DEFAULT_MIN_READER_BYTES_PER_SECOND
     min_kv_bytes: int = 0
     grace_seconds: float = 2.0
     max_cancels_per_minute: int = 10
@@ -67,8 +68,11 @@ class PolicyConfig:
         return self.mode == "enforce"
 
     def state_policy(self) -> StatePolicy:
-        """The stream-state classifier's thresholds, from the same `stall_seconds`."""
-        return StatePolicy(stall_seconds=self.stall_seconds)
+        """The judge's thresholds (kvwatch.states), from the same settings."""
+        return StatePolicy(
+            stall_seconds=self.stall_seconds,
+            min_reader_bytes_per_second=self.min_reader_bytes_per_second,
+        )
 
 
 @dataclass(frozen=True)
@@ -347,6 +351,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
         "a non-empty list of cancel and/or reset, without repeats",
     ),
     "policy.stall_seconds": (lambda v: v > 0, "> 0 seconds"),
+    "policy.min_reader_bytes_per_second": (lambda v: v >= 1, ">= 1 bytes per second"),
     "policy.min_kv_bytes": (lambda v: v >= 0, ">= 0 bytes"),
     "policy.grace_seconds": (lambda v: v >= 0, ">= 0 seconds"),
     "policy.max_cancels_per_minute": (lambda v: v >= 1, ">= 1 (use mode = observe to act never)"),

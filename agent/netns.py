@@ -33,15 +33,23 @@ def _setns(fd: int) -> None:
 @contextlib.contextmanager
 def network_namespace_of(pid: int, procfs_root: str = "/proc") -> Iterator[None]:
     """Runs the body in `pid`'s network namespace (no switch when it is already ours)."""
-    target_path = Path(procfs_root, str(pid), "ns", "net")
+    path = Path(procfs_root, str(pid), "ns", "net")
+    if not path.exists():
+        raise KvwatchError(f"process {pid} is gone", "nothing to act on")
+    with network_namespace(path):
+        yield
+
+
+@contextlib.contextmanager
+def network_namespace(target_path: Path) -> Iterator[None]:
+    """Runs the body in the network namespace of `target_path` (a /proc/PID/ns/net or a
+    /run/netns/NAME file) on this thread; FileNotFoundError when there is none."""
     own_path = Path("/proc/thread-self/ns/net")
     try:
         if os.stat(target_path).st_ino == os.stat(own_path).st_ino:
             yield
             return
         target = os.open(target_path, os.O_RDONLY)
-    except FileNotFoundError as exc:
-        raise KvwatchError(f"process {pid} is gone", "nothing to act on") from exc
     except PermissionError as exc:
         raise PrivilegeError(
             f"cannot open {target_path} ({exc.strerror})",

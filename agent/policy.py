@@ -1,17 +1,21 @@
 """The stall policy: whether to act on one stream, and how. Pure logic, no I/O, no clock.
 
 `decide` checks, in this order, and the first check that fails names the decision's reason:
-1. the stream is `stalled` and has been for at least `stall_seconds` (else "not_stalled");
-2. no deny rule matches ("denied_by_rule") and every non-empty allow list does
+1. the stream is `stalled` (else "not_stalled"). The judge (kvwatch.states.judge) alone says
+   so: it has already required `stall_seconds` and the reader-rate guarantee;
+2. the socket's owner is known ("owner_unknown"): deny and allow rules name processes and
+   pods, so a socket whose owner cannot be found is never acted on;
+3. no deny rule matches ("denied_by_rule") and every non-empty allow list does
    ("not_allowed_by_rule");
-3. the stream is at least `grace_seconds` old ("in_grace");
-4. it holds at least `min_kv_bytes` ("below_min_kv"). A stream no engine announced has no known
+4. the stream is at least `grace_seconds` old ("in_grace");
+5. it holds at least `min_kv_bytes` ("below_min_kv"). A stream no engine announced has no known
    KV size: with `min_kv_bytes` = 0 it qualifies, for the `reset` action only (cancel needs the
    engine's hook); with `min_kv_bytes` > 0 it is skipped ("unknown_kv"), because the policy
    cannot tell it holds that much;
-5. one of the configured actions is possible: `cancel` needs an engine hook and a known request,
+6. one of the configured actions is possible: `cancel` needs an engine hook and a known request,
    `reset` is always possible ("no_action_possible");
-6. the budget of `max_cancels_per_minute` has room ("budget_exhausted").
+7. the budget of `max_cancels_per_minute` has room ("budget_exhausted"). An action that took
+   no effect (its target was already gone, or it failed) gives its unit back.
 Then the verdict is "act" in enforce mode and "would_act" in observe mode. Observe mode takes
 from the budget exactly as enforce mode does, so an observe run's audit log shows what enforce
 would have done, budget refusals included. The caller decides once per stall episode: a stream
@@ -39,6 +43,8 @@ class Candidate:
     """Everything the policy needs to know about one stream at the time of the decision.
 
     `stalled_seconds` is how long every stall condition has held (0 when they do not);
+    `owner_pid` the process that owns the socket (the announcing engine's, else the one the
+    collector found; 0 when none was found);
     `kv_bytes` is None when no engine announced the stream; `age_seconds` counts from when the
     connection (or stream) was first seen; `has_engine_hook` says an engine announced it, so
     it can be cancelled.
@@ -47,6 +53,7 @@ class Candidate:
     request_id: str | None
     state: StreamState
     stalled_seconds: float
+    owner_pid: int
     kv_bytes: int | None
     age_seconds: float
     local_port: int
@@ -102,6 +109,11 @@ class CancelBudget:
         self._taken_s.append(now_s)
         return True
 
+    def give_back(self) -> None:
+        """Returns the newest take: its action changed nothing (the target was gone)."""
+        if self._taken_s:
+            self._taken_s.pop()
+
 
 def _skip(reason: str, detail: str) -> Decision:
     return Decision("skip", (), reason, detail)
@@ -146,13 +158,15 @@ def _not_allowed(candidate: Candidate, config: PolicyConfig) -> str | None:
 
 
 def _refusal(candidate: Candidate, config: PolicyConfig) -> Decision | None:
-    """The first of checks 1-4 (module docstring) that fails, as a skip; None if all pass."""
+    """The first of checks 1-5 (module docstring) that fails, as a skip; None if all pass."""
     if candidate.state is not StreamState.STALLED:
         return _skip("not_stalled", f"state is {candidate.state.value}")
-    if candidate.stalled_seconds < config.stall_seconds:
+    if candidate.owner_pid <= 0:
         return _skip(
-            "not_stalled",
-            f"stalled {candidate.stalled_seconds:.2f} s < stall_seconds {config.stall_seconds} s",
+            "owner_unknown",
+            "no process owns the socket in this procfs (orphaned, or in a pid namespace the "
+            "agent cannot see): rules cannot be checked; mount the host's /proc "
+            "(--path.procfs) in a container",
         )
     denied = _denied(candidate, config)
     if denied is not None:

@@ -64,6 +64,10 @@ class SocketSample:
     or data became pending on an idle socket: "no progress" is measured from it.
     `bytes_acked` is the kernel's cumulative count of acknowledged bytes, the same counter
     for every source, so two views of one socket can tell whether progress happened between.
+    `peer_rwnd_max` is the largest window the peer ever advertised (0: unknown, sock_diag);
+    `peer_wscale` the peer's window scale (-1: unknown); `rto_us` the retransmission timeout
+    the zero-window probes are timed from; `last_ack_ns` when the last segment from the peer
+    arrived (0: unknown) — during a zero window, the answer to the newest probe.
     """
 
     key: int
@@ -96,6 +100,10 @@ class SocketSample:
     bytes_acked: int
     first_send_ns: int = 0
     first_acked_ns: int = 0
+    peer_rwnd_max: int = 0
+    peer_wscale: int = -1
+    rto_us: int = 0
+    last_ack_ns: int = 0
 
     @property
     def pending_bytes(self) -> int:

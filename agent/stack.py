@@ -48,6 +48,11 @@ def wait_until_up(url: str, process: subprocess.Popen[bytes], what: str) -> None
     )
 
 
+def kvwatch_command() -> list[str]:
+    """How to run this kvwatch as a subprocess (the same interpreter and package)."""
+    return [sys.executable, "-m", "kvwatch.cli"]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -103,7 +108,7 @@ class Stack:
         log = self.workdir / f"{name}-{len(self.services)}.log"
         with log.open("wb") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "kvwatch.cli", *args],
+                [*kvwatch_command(), *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},

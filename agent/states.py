@@ -5,20 +5,34 @@
   still advances.
 - zero_window: the peer's window is 0 now, for less than the stall threshold.
 - stalled: data is pending, the ACK point has not advanced, and the window is zero or the send
-  buffer full — all of it for at least `stall_seconds`. Only this state is ever acted on.
+  buffer full — all of it for at least `stall_seconds`, and, behind a zero window, until the
+  kernel has shown that a reader draining `min_reader_bytes_per_second` would have moved by
+  now (`judge`). Only this state is ever acted on.
 An idle socket (nothing pending) is never stalled; neither is a slow reader that keeps
 draining, however often its window closes.
+
+`judge` is the one place a stall is decided; everything else (the classifier, the stall
+timers, the policy, the views) reads its `StallJudgement`.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 from kvwatch.errors import ConfigError
+from kvwatch.probes import NS_PER_SECOND, first_answer_after_ns, probe_base_ns
 from kvwatch.sockets import SocketSample
 
-NS_PER_SECOND = 1_000_000_000
+DEFAULT_MIN_READER_BYTES_PER_SECOND = 4096
+# The largest window a peer can advertise without window scaling (RFC 7323).
+UNSCALED_WINDOW_MAX = 65535
+# What a peer may hold unread, in multiples of the largest window it advertised (see
+# peer_buffer_bytes and docs/collector.md).
+PEER_BUFFER_PER_WINDOW = 2
+# How often a stall whose proof is due is looked at again until the proof comes.
+PROOF_POLL_NS = 250_000_000
 
 
 class StreamState(str, enum.Enum):
@@ -35,11 +49,13 @@ class StreamState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class StatePolicy:
-    """Thresholds of the classifier. `slow_fill` is the send-queue fill that counts as
-    "mostly full"; a zero-window episode that ended less than `stall_seconds` ago still
-    marks a stream slow."""
+    """What makes a stall. `stall_seconds` is the shortest stall ever acted on;
+    `min_reader_bytes_per_second` the reader rate that is guaranteed never to be called
+    stalled; `slow_fill` the send-queue fill that counts as "mostly full". A zero-window
+    episode that ended less than `stall_seconds` ago still marks a stream slow."""
 
     stall_seconds: float = 3.0
+    min_reader_bytes_per_second: int = DEFAULT_MIN_READER_BYTES_PER_SECOND
     slow_fill: float = 0.75
 
     def __post_init__(self) -> None:
@@ -47,6 +63,11 @@ class StatePolicy:
             raise ConfigError(
                 f"stall_seconds must be > 0, got {self.stall_seconds}",
                 "use a threshold such as 3 (seconds)",
+            )
+        if self.min_reader_bytes_per_second < 1:
+            raise ConfigError(
+                f"min_reader_bytes_per_second must be >= 1, got {self.min_reader_bytes_per_second}",
+                f"use a rate such as {DEFAULT_MIN_READER_BYTES_PER_SECOND} (bytes per second)",
             )
         if not 0 < self.slow_fill <= 1:
             raise ConfigError(
@@ -72,15 +93,119 @@ def stall_since_ns(sample: SocketSample) -> int:
     return max(pressure, sample.progress_ns)
 
 
-def stall_deadline_ns(sample: SocketSample, policy: StatePolicy) -> int:
-    """When the stream becomes stalled if nothing changes; 0 when it is not on its way."""
+def peer_buffer_bytes(sample: SocketSample) -> int:
+    """How much a live reader may have to drain before its window reopens: never more than
+    it acknowledged; else `PEER_BUFFER_PER_WINDOW` times the largest window it advertised
+    (measured: a receiver holds up to twice its largest window unread, and Linux reopens once
+    a sixteenth of its buffer is free); where that is unknown (sock_diag), the largest window
+    its window scale allows."""
+    if sample.peer_rwnd_max > 0:
+        window = PEER_BUFFER_PER_WINDOW * sample.peer_rwnd_max
+    elif sample.peer_wscale >= 0:
+        window = UNSCALED_WINDOW_MAX << sample.peer_wscale
+    else:
+        return sample.bytes_acked
+    return min(sample.bytes_acked, window)
+
+
+@dataclass(frozen=True)
+class StallJudgement:
+    """The verdict on one socket at `now_ns`, with the numbers behind it.
+
+    `since_ns` is when every stall condition began to hold (0: they do not). `required_ns` is
+    how long they must hold before the socket is stalled, counted from `since_ns`: at least
+    `stall_seconds`, and until the kernel has shown that a reader draining the guaranteed
+    rate would have moved: such a reader has emptied its buffer by `drained_ns`, and the
+    first zero-window probe (or retransmission) after that reopens the flow. `proven` says
+    the kernel has shown it: a segment from the peer after `drained_ns` and still no ACK
+    progress, or the peer silent through two probes (gone, not slow). `basis` names the
+    pressure: "zero_window", or "sndbuf_full" (a window too small for a segment, or no ACK
+    at all). `recheck_ns` is when the
+    verdict can next change without a new observation (0: only a new observation changes it).
+    """
+
+    since_ns: int
+    required_ns: int
+    stalled: bool
+    proven: bool
+    recheck_ns: int
+    basis: str
+    buffer_bytes: int = 0
+    drained_ns: int = 0
+
+    @property
+    def on_the_way(self) -> bool:
+        return self.since_ns != 0
+
+    @property
+    def deadline_ns(self) -> int:
+        return self.since_ns + self.required_ns if self.since_ns else 0
+
+    def stalled_seconds(self, now_ns: int) -> float:
+        return max(0.0, (now_ns - self.since_ns) / NS_PER_SECOND) if self.since_ns else 0.0
+
+    def evidence(self, policy: StatePolicy) -> dict[str, Any]:
+        """What the verdict rests on, for `sockets --json`, the audit log and `explain`."""
+        if not self.since_ns:
+            return {"basis": self.basis}
+        fields: dict[str, Any] = {
+            "basis": self.basis,
+            "stall_seconds": policy.stall_seconds,
+            "proven": self.proven,
+        }
+        fields.update(
+            min_reader_bytes_per_second=policy.min_reader_bytes_per_second,
+            peer_buffer_bytes=self.buffer_bytes,
+            drain_seconds=round(self.buffer_bytes / policy.min_reader_bytes_per_second, 3),
+        )
+        return fields
+
+
+NOT_STALLING = StallJudgement(0, 0, False, False, 0, "none")
+
+
+def judge(sample: SocketSample, now_ns: int, policy: StatePolicy) -> StallJudgement:
+    """The one judge of a stall (see `StallJudgement` and docs/collector.md)."""
     since = stall_since_ns(sample)
-    return since + policy.stall_ns if since else 0
+    if not since:
+        return NOT_STALLING
+    threshold_ns = since + policy.stall_ns
+    buffer_bytes = peer_buffer_bytes(sample)
+    rate = policy.min_reader_bytes_per_second
+    drained_ns = sample.progress_ns + buffer_bytes * NS_PER_SECOND // rate
+    # Probes (zero window) or retransmissions (no ACK) back off from the episode's start.
+    start_ns = sample.zero_window_since_ns or since
+    base_ns, rtt_ns = probe_base_ns(sample.rto_us), sample.srtt_us * 1000
+    expected_ns = first_answer_after_ns(start_ns, base_ns, rtt_ns, drained_ns)
+    heard_ns = max(sample.last_ack_ns, since)
+    silent_ns = first_answer_after_ns(
+        start_ns, base_ns, rtt_ns, first_answer_after_ns(start_ns, base_ns, rtt_ns, heard_ns)
+    )
+    answered = sample.last_ack_ns >= drained_ns
+    proven = answered or now_ns >= silent_ns + PROOF_POLL_NS
+    stalled = proven and now_ns >= threshold_ns
+    end_ns = max(threshold_ns, min(expected_ns, silent_ns + PROOF_POLL_NS))
+    if stalled:
+        recheck_ns = 0
+    elif now_ns < end_ns:
+        recheck_ns = end_ns
+    else:
+        recheck_ns = now_ns + PROOF_POLL_NS
+    basis = "zero_window" if sample.zero_window else "sndbuf_full"
+    return StallJudgement(
+        since, end_ns - since, stalled, proven, recheck_ns, basis, buffer_bytes, drained_ns
+    )
 
 
 def classify(sample: SocketSample, now_ns: int, policy: StatePolicy) -> StreamState:
-    deadline = stall_deadline_ns(sample, policy)
-    if deadline and now_ns >= deadline:
+    return state_of(sample, judge(sample, now_ns, policy), now_ns, policy)
+
+
+def state_of(
+    sample: SocketSample, judgement: StallJudgement, now_ns: int, policy: StatePolicy
+) -> StreamState:
+    """The stream state, given the judge's verdict on the same sample."""
+    if judgement.stalled:
         return StreamState.STALLED
     if sample.zero_window:
         return StreamState.ZERO_WINDOW

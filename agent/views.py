@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvwatch.sockets import SocketSample
-from kvwatch.states import StatePolicy, StreamState, classify
+from kvwatch.states import StallJudgement, StatePolicy, StreamState, classify, judge, state_of
 
 STATE_STYLES = {
     StreamState.HEALTHY: "green",
@@ -20,14 +20,23 @@ STATE_STYLES = {
 }
 
 
-def socket_json(sample: SocketSample, now_ns: int, policy: StatePolicy) -> dict[str, Any]:
-    """One socket as the `kvwatch sockets --json` contract spells it (plus a few extras)."""
+def socket_json(
+    sample: SocketSample,
+    now_ns: int,
+    policy: StatePolicy,
+    judgement: StallJudgement | None = None,
+) -> dict[str, Any]:
+    """One socket as the `kvwatch sockets --json` contract spells it (plus a few extras).
+    `stalled_seconds` is how long every stall condition has held, `stall_required_seconds`
+    how long they must hold before the socket is `stalled` (null when they do not hold), and
+    `stall_evidence` what the judge based that on (docs/collector.md)."""
+    verdict = judgement if judgement is not None else judge(sample, now_ns, policy)
     return {
         "local": str(sample.local),
         "remote": str(sample.remote),
         "pid": sample.pid,
         "comm": sample.comm,
-        "state": classify(sample, now_ns, policy).value,
+        "state": state_of(sample, verdict, now_ns, policy).value,
         "wmem_queued": sample.wmem_queued,
         "sndbuf": sample.sndbuf,
         "notsent_bytes": sample.notsent_bytes,
@@ -40,11 +49,17 @@ def socket_json(sample: SocketSample, now_ns: int, policy: StatePolicy) -> dict[
         "zero_window_seconds": round(sample.zero_window_seconds(now_ns), 3),
         "sndbuf_full": sample.sndbuf_full,
         "no_progress_seconds": round(sample.no_progress_seconds(now_ns), 3),
+        "stalled_seconds": round(verdict.stalled_seconds(now_ns), 3),
+        "stall_required_seconds": (
+            round(verdict.required_ns / 1e9, 3) if verdict.on_the_way else None
+        ),
+        "stall_evidence": verdict.evidence(policy),
         "source": sample.source,
         "snd_cwnd": sample.snd_cwnd,
         "zero_window_probes": sample.zero_window_probes,
         "zero_window_total_seconds": round(sample.zero_window_total_ns / 1e9, 3),
         "sndbuf_full_episodes": sample.sndbuf_full_episodes,
+        "peer_rwnd_max": sample.peer_rwnd_max,
         "netns": sample.netns,
         "inode": sample.inode,
     }

@@ -56,6 +56,8 @@ struct kv_sock_record {
 	__u32 snd_nxt;
 	__u32 write_seq;
 	__u32 peer_rwnd;		/* peer's receive window in bytes, as of the newest ACK */
+	__u32 peer_rwnd_max;		/* largest window the peer ever advertised (tp->max_window) */
+	__u32 rttvar_us;		/* RTT variation; rto = srtt + rttvar (zero-window probe base) */
 	__u32 srtt_us;
 	__u32 snd_cwnd;
 	__u32 wmem_queued;

@@ -29,7 +29,9 @@ struct kv_tcp_view {
 	__u32 snd_nxt;
 	__u32 write_seq;
 	__u32 peer_rwnd;
+	__u32 peer_rwnd_max;
 	__u32 srtt_us;
+	__u32 rttvar_us;
 	__u32 snd_cwnd;
 	__u32 wmem_queued;
 	__u32 sndbuf;
@@ -115,7 +117,10 @@ static __always_inline void kv_commit(struct kv_sock_record *rec, const struct k
 	rec->snd_nxt = view->snd_nxt;
 	rec->write_seq = view->write_seq;
 	rec->peer_rwnd = view->peer_rwnd;
+	rec->peer_rwnd_max = view->peer_rwnd_max > view->peer_rwnd ? view->peer_rwnd_max
+								 : view->peer_rwnd;
 	rec->srtt_us = view->srtt_us;
+	rec->rttvar_us = view->rttvar_us;
 	rec->snd_cwnd = view->snd_cwnd;
 	rec->wmem_queued = view->wmem_queued;
 	rec->sndbuf = view->sndbuf;

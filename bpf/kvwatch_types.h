@@ -63,8 +63,10 @@ struct tcp_sock {
 	__u32 snd_nxt;
 	__u32 snd_wl1;
 	__u32 snd_wnd;
+	__u32 max_window;
 	__u32 write_seq;
 	__u32 srtt_us;
+	__u32 rttvar_us;
 	__u32 snd_cwnd;
 	struct tcp_options_received rx_opt;
 	__u64 bytes_acked;

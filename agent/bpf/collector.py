@@ -55,6 +55,9 @@ def record_to_sample(record: KvSockRecord, observed_ns: int) -> SocketSample:
         bytes_acked=record.bytes_acked,
         first_send_ns=record.first_send_ns,
         first_acked_ns=record.first_acked_ns,
+        peer_rwnd_max=record.peer_rwnd_max,
+        rto_us=record.srtt_us + record.rttvar_us,
+        last_ack_ns=record.last_ack_ns,
     )
 
 

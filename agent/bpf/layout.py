@@ -59,6 +59,8 @@ class KvSockRecord(ctypes.Structure):
         ("snd_nxt", c_uint32),
         ("write_seq", c_uint32),
         ("peer_rwnd", c_uint32),
+        ("peer_rwnd_max", c_uint32),
+        ("rttvar_us", c_uint32),
         ("srtt_us", c_uint32),
         ("snd_cwnd", c_uint32),
         ("wmem_queued", c_uint32),

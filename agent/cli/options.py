@@ -9,13 +9,14 @@ import click
 
 from kvwatch.bpf.loader import SEND_MODES, CollectorSettings
 from kvwatch.config import BACKENDS
-from kvwatch.states import StatePolicy, StreamState
+from kvwatch.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StatePolicy, StreamState
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def collector_options(with_defaults: bool = True) -> Callable[[F], F]:
-    """--port, --pid, --backend, --send-hook, --max-sockets, --stall-seconds, --path.procfs.
+    """--port, --pid, --backend, --send-hook, --max-sockets, --stall-seconds,
+    --min-reader-rate, --path.procfs.
 
     Without defaults (`kvwatch run`), an option the user did not give is None, so values from
     the config file and the environment are not overridden."""
@@ -64,7 +65,17 @@ def collector_options(with_defaults: bool = True) -> Callable[[F], F]:
             type=click.FloatRange(min=0.1),
             **default(3.0),
             help="Pending data with no ACK progress under a zero window or full "
-            "send buffer for this long makes a stream `stalled`.",
+            "send buffer for at least this long makes a stream `stalled` (behind a zero "
+            "window, also for as long as --min-reader-rate requires).",
+        ),
+        click.option(
+            "--min-reader-rate",
+            "min_reader_rate",
+            type=click.IntRange(min=1),
+            **default(DEFAULT_MIN_READER_BYTES_PER_SECOND),
+            help="Bytes per second: a client that reads at least this fast is never called "
+            "stalled, whatever its receive buffer, RTT or loss. Higher cuts dead readers "
+            "sooner; the default is half a 50-token/s SSE stream.",
         ),
         click.option(
             "--path.procfs",
@@ -90,8 +101,8 @@ def collector_settings(
     )
 
 
-def state_policy(stall_seconds: float) -> StatePolicy:
-    return StatePolicy(stall_seconds=stall_seconds)
+def state_policy(stall_seconds: float, min_reader_rate: int) -> StatePolicy:
+    return StatePolicy(stall_seconds=stall_seconds, min_reader_bytes_per_second=min_reader_rate)
 
 
 def announce_collector(note: str) -> None:

@@ -48,6 +48,7 @@ def command(
     send_hook: str,
     max_sockets: int,
     stall_seconds: float,
+    min_reader_rate: int,
     procfs_root: str,
     states: tuple[str, ...],
     as_json: bool,
@@ -69,7 +70,7 @@ def command(
       kvwatch sockets --watch --interval 0.5       live view
     """
     settings = collector_settings(ports, pid, send_hook, max_sockets)
-    policy = state_policy(stall_seconds)
+    policy = state_policy(stall_seconds, min_reader_rate)
     opened = open_collector(settings, backend, procfs_root)
     announce_collector(opened.note)
     try:

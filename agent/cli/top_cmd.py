@@ -64,6 +64,7 @@ def command(
     send_hook: str,
     max_sockets: int,
     stall_seconds: float,
+    min_reader_rate: int,
     procfs_root: str,
     states: tuple[str, ...],
     sort: str,
@@ -102,7 +103,7 @@ def command(
     if standalone:
         settings = collector_settings(ports, pid, send_hook, max_sockets)
         standalone_source = StandaloneSource(
-            settings, backend, procfs_root, state_policy(stall_seconds)
+            settings, backend, procfs_root, state_policy(stall_seconds, min_reader_rate)
         )
         announce_collector(standalone_source.note)
         source = standalone_source

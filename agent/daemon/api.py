@@ -20,13 +20,12 @@ from kvwatch.exporters import agent_registry
 
 def build_app(daemon: Daemon) -> Starlette:
     registry = agent_registry(daemon)
-    policy = daemon.state_policy
 
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def streams(_: Request) -> JSONResponse:
-        return JSONResponse([view.to_json(policy) for view in daemon.stream_views()])
+        return JSONResponse([view.to_json() for view in daemon.stream_views()])
 
     async def events(request: Request) -> JSONResponse:
         try:
@@ -56,7 +55,7 @@ def build_app(daemon: Daemon) -> Starlette:
                 ),
                 None,
             )
-            body["stream"] = view.to_json(policy) if view is not None else body["stream"]
+            body["stream"] = view.to_json() if view is not None else body["stream"]
         return JSONResponse(body)
 
     async def health(_: Request) -> JSONResponse:

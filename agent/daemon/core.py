@@ -26,7 +26,7 @@ from kvwatch.daemon.watch import StallWatch
 from kvwatch.gpu import GpuInventory, NvmlApi
 from kvwatch.procfs import Procfs
 from kvwatch.sockets import SocketSample
-from kvwatch.states import stall_since_ns
+from kvwatch.states import StallJudgement, stall_since_ns
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class Daemon:
         log.info("%s", self.opened.note)
         bpf = self.bpf
         if bpf is not None:
-            self._ring = bpf.open_events(self._on_event)
+            self._ring = bpf.open_events(self._admit_event)
             loop.add_reader(self._ring.fileno(), self._ring.consume)
         await self.hooks.start()
         await self.scan()
@@ -163,9 +163,12 @@ class Daemon:
         for key in set(self._stalled_since) - self._samples.keys():
             self._end_stall(key, self._samples_ns)
 
-    def _read_sample(self, key: int) -> SocketSample | None:
-        bpf = self.bpf
-        fresh = bpf.sample(key) if bpf is not None else None
+    async def _read_sample(self, key: int) -> SocketSample | None:
+        """A fresh look at one socket through the collector's door (owner, carry-over); the
+        last scan's view when the collector has none fresher (sock_diag, bootstrap)."""
+        assert self.opened is not None
+        loop = asyncio.get_running_loop()
+        fresh = await loop.run_in_executor(self._collect, self.opened.collector.sample, key)
         return fresh if fresh is not None else self._samples.get(key)
 
     def samples(self) -> list[SocketSample]:
@@ -179,6 +182,15 @@ class Daemon:
         ]
 
     # -- edges, stalls and engine streams ------------------------------------------------
+
+    def _admit_event(self, event: SocketEvent) -> None:
+        """Edge events pass the collector's door on its thread, like every other sample; one
+        worker thread completes them in arrival order."""
+        assert self.opened is not None
+        admitted = self._collect.submit(self.opened.collector.admit, event.sample)
+        asyncio.wrap_future(admitted).add_done_callback(
+            lambda done: self._on_event(SocketEvent(event.kind, event.ts_ns, done.result()))
+        )
 
     def _on_event(self, event: SocketEvent) -> None:
         sample, key = event.sample, event.sample.key
@@ -217,22 +229,27 @@ class Daemon:
         if engine is None:
             return None
         view = self.joiner.view(sample, engine, time.monotonic_ns(), self.state_policy)
-        return view.to_json(self.state_policy)
+        return view.to_json()
 
     def _observe(self, sample: SocketSample, now_ns: int) -> None:
         if self._stalled_since.get(sample.key, 0) not in (0, stall_since_ns(sample)):
             self._end_stall(sample.key, now_ns)
         self.watch.observe(sample)
 
-    async def _on_stalled(self, sample: SocketSample) -> float | None:
-        since = stall_since_ns(sample)
+    async def _on_stalled(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
+        since = judgement.since_ns
         if self._stalled_since.setdefault(sample.key, since) == since:
             connection = connection_id(sample.local, sample.remote)
             timeline = self.timelines.of(connection)
             if not any(e["event"] == "stalled" for e in timeline.entries):
                 timeline.add(since, "stall_conditions_began")
-                timeline.add(since + self.state_policy.stall_ns, "stalled")
-        return await self.decider.on_stalled(sample)
+                timeline.add(
+                    time.monotonic_ns(),
+                    "stalled",
+                    required_seconds=round(judgement.required_ns / 1e9, 3),
+                    evidence=judgement.evidence(self.state_policy),
+                )
+        return await self.decider.on_stalled(sample, judgement)
 
     def _end_stall(self, key: int, now_ns: int) -> None:
         since = self._stalled_since.pop(key, None)

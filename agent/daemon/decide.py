@@ -12,10 +12,10 @@ from kvwatch.daemon.actions import Actions
 from kvwatch.daemon.hook_server import HookServer
 from kvwatch.daemon.join import Joiner, StreamView
 from kvwatch.daemon.timeline import Timelines, connection_id
+from kvwatch.daemon.watch import episode_of
 from kvwatch.policy import CancelBudget, Candidate, Decision, decide
 from kvwatch.sockets import SocketSample
-from kvwatch.states import StatePolicy, stall_since_ns
-from kvwatch.views import socket_json
+from kvwatch.states import StallJudgement
 
 RECHECK_SECONDS = 1.0
 # Reasons that can change while the stall lasts: look again later instead of giving up.
@@ -25,16 +25,19 @@ TRANSIENT_REASONS = {
     "unknown_kv",
     "below_min_kv",
     "no_action_possible",
+    "owner_unknown",
 }
+# Action results that changed nothing: the target was already gone, or the action failed.
+# They give their budget unit back.
+TOOK_EFFECT = {"cancelled", "reset"}
 EVENTS_KEPT = 2000
 
 
-def evidence_of(view: StreamView, now_ns: int, policy: StatePolicy) -> dict[str, Any]:
-    """What the decision was based on, for the audit log and `explain`: the socket as the
-    `sockets` contract spells it, plus how long it has been stalled."""
-    sample = view.sample
-    evidence = socket_json(sample, now_ns, policy)
-    evidence["stalled_seconds"] = round((now_ns - stall_since_ns(sample)) / 1e9, 3)
+def evidence_of(view: StreamView) -> dict[str, Any]:
+    """What the decision was based on, for the audit log and `explain`: the stream as the
+    `streams` contract spells it (the socket, the judge's required time and evidence, the
+    join)."""
+    evidence = view.to_json()
     if view.engine is not None:
         evidence.update(
             kv_blocks=view.engine.kv_blocks,
@@ -51,11 +54,11 @@ def evidence_of(view: StreamView, now_ns: int, policy: StatePolicy) -> dict[str,
 
 def candidate_of(view: StreamView, now_ns: int) -> Candidate:
     sample, engine, process = view.sample, view.engine, view.process
-    since = stall_since_ns(sample)
     return Candidate(
         request_id=engine.request_id if engine is not None else None,
         state=view.state,
-        stalled_seconds=(now_ns - since) / 1e9 if since else 0.0,
+        stalled_seconds=view.judgement.stalled_seconds(now_ns),
+        owner_pid=view.owner_pid,
         kv_bytes=view.kv_bytes,
         age_seconds=(now_ns - view.opened_ns) / 1e9,
         local_port=sample.local.port,
@@ -70,9 +73,12 @@ def candidate_of(view: StreamView, now_ns: int) -> Candidate:
 class Decider:
     """Decides on stalled sockets and carries the decisions out. Owned by the event loop.
 
-    Invariant: a decision is written to the audit log (and the event list) when its verdict
-    or reason differs from the last one for that socket, so a long stall that stays denied
-    is one line, not one a second."""
+    Invariants: at most one "act"/"would_act" decision per stall episode (a socket and its
+    kernel bytes_acked, see `episode_of`); a decision is written to the audit log, the event
+    list and the decision counters when its verdict or reason differs from the last one for
+    that episode, so a long stall that stays denied is one line and one count, not one a
+    second; an action that took no effect (its target was gone, or it failed) gives its
+    budget unit back."""
 
     def __init__(
         self,
@@ -94,7 +100,10 @@ class Decider:
         self.decisions: Counter[tuple[str, str]] = Counter()
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self._event_id = 0
-        self._last: dict[int, tuple[str, str]] = {}
+        self._decision_id = 0
+        self._run_id = f"{time.time_ns() // 1_000_000:x}"
+        self._last: dict[int, tuple[tuple[int, str, str], dict[str, Any]]] = {}
+        self._acted: dict[int, int] = {}
 
     def add_event(self, kind: str, **fields: Any) -> None:
         self._event_id += 1
@@ -102,58 +111,82 @@ class Decider:
             {"id": self._event_id, "ts_ns": time.monotonic_ns(), "kind": kind, **fields}
         )
 
-    async def on_stalled(self, sample: SocketSample) -> float | None:
+    async def on_stalled(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
         """StallWatch's handler: decide, log, act. Returns when to look again, or None."""
+        episode = episode_of(sample)
+        if self._acted.get(sample.key) == episode:
+            return None
         now_ns = time.monotonic_ns()
         engine = self.hooks.find(sample.local, sample.remote)
-        view = self.joiner.view(sample, engine, now_ns, self.state_policy)
+        view = self.joiner.view(sample, engine, now_ns, self.state_policy, judgement)
         decision = decide(candidate_of(view, now_ns), self.policy, self.budget, now_ns / 1e9)
-        self.decisions[decision.verdict, decision.reason] += 1
-        request_id = engine.request_id if engine is not None else None
-        if self._last.get(sample.key) != (decision.verdict, decision.reason):
-            self._last[sample.key] = (decision.verdict, decision.reason)
-            entry = self.audit.record(
-                decision, evidence_of(view, now_ns, self.state_policy), request_id=request_id
-            )
-            self.timelines.of(connection_id(sample.local, sample.remote)).add(
-                now_ns,
-                "decision",
-                verdict=decision.verdict,
-                reason=decision.reason,
-                actions=list(decision.actions),
-                evidence=entry["evidence"],
-            )
-            self.add_event(
-                "decision",
-                request_id=request_id,
-                verdict=decision.verdict,
-                reason=decision.reason,
-                actions=list(decision.actions),
-                local=str(sample.local),
-                remote=str(sample.remote),
-                evidence=entry["evidence"],
-            )
+        ref = self._logged(view, decision, episode)
+        if decision.acts:
+            self._acted[sample.key] = episode
         if decision.verdict == "act":
-            await self._carry_out(view, decision, request_id)
+            await self._carry_out(view, decision, ref)
         if decision.verdict == "skip" and decision.reason in TRANSIENT_REASONS:
             return RECHECK_SECONDS
         return None
 
-    async def _carry_out(
-        self, view: StreamView, decision: Decision, request_id: str | None
-    ) -> None:
-        evidence = evidence_of(view, view.now_ns, self.state_policy)
+    def _logged(self, view: StreamView, decision: Decision, episode: int) -> dict[str, Any]:
+        """Counts and logs the decision when it is news for this episode; returns the
+        reference that ties its outcome lines to it."""
+        sample, news = view.sample, (episode, decision.verdict, decision.reason)
+        last = self._last.get(sample.key)
+        if last is not None and last[0] == news:
+            return last[1]
+        self.decisions[decision.verdict, decision.reason] += 1
+        ref = self._reference(view)
+        self._last[sample.key] = (news, ref)
+        entry = self.audit.record(decision, evidence_of(view), ref)
+        self.timelines.of(connection_id(sample.local, sample.remote)).add(
+            view.now_ns,
+            "decision",
+            decision_id=ref["decision_id"],
+            verdict=decision.verdict,
+            reason=decision.reason,
+            actions=list(decision.actions),
+            evidence=entry["evidence"],
+        )
+        self.add_event(
+            "decision",
+            **ref,
+            verdict=decision.verdict,
+            reason=decision.reason,
+            actions=list(decision.actions),
+            evidence=entry["evidence"],
+        )
+        return ref
+
+    def _reference(self, view: StreamView) -> dict[str, Any]:
+        self._decision_id += 1
+        engine = view.engine
+        return {
+            "decision_id": f"{self._run_id}-{self._decision_id}",
+            "request_id": engine.request_id if engine is not None else None,
+            "local": str(view.sample.local),
+            "remote": str(view.sample.remote),
+        }
+
+    async def _carry_out(self, view: StreamView, decision: Decision, ref: dict[str, Any]) -> None:
+        evidence = evidence_of(view)
+        took_effect = False
         for action in decision.actions:
             if action == "cancel":
                 result = await self.actions.cancel(view, decision.reason, evidence)
             else:
                 result = await self.actions.reset(view, decision.reason)
-            self.audit.record_outcome(request_id, action, result)
+            took_effect = took_effect or result["status"] in TOOK_EFFECT
+            self.audit.record_outcome(ref, action, result)
             event = "cancel_acknowledged" if action == "cancel" else "reset_done"
             self.timelines.of(connection_id(view.sample.local, view.sample.remote)).add(
-                time.monotonic_ns(), event, **result
+                time.monotonic_ns(), event, decision_id=ref["decision_id"], **result
             )
-            self.add_event("outcome", request_id=request_id, action=action, **result)
+            self.add_event("outcome", **ref, action=action, **result)
+        if not took_effect:
+            self.budget.give_back()
 
     def forget(self, key: int) -> None:
         self._last.pop(key, None)
+        self._acted.pop(key, None)

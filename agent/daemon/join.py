@@ -10,7 +10,7 @@ from kvwatch.daemon.hook_registry import EngineStream
 from kvwatch.gpu import GpuInventory, GpuProcessUse
 from kvwatch.procfs import ProcessInfo, Procfs
 from kvwatch.sockets import SocketSample
-from kvwatch.states import StatePolicy, StreamState, classify
+from kvwatch.states import StallJudgement, StatePolicy, StreamState, judge, state_of
 from kvwatch.views import socket_json
 
 PROCESS_CACHE_SECONDS = 10.0
@@ -22,7 +22,9 @@ class StreamView:
     """Everything known about one stream at `now_ns`; the unit of policy, API and metrics."""
 
     sample: SocketSample
+    judgement: StallJudgement
     state: StreamState
+    policy: StatePolicy
     engine: EngineStream | None
     process: ProcessInfo | None
     gpus: tuple[GpuProcessUse, ...]
@@ -37,10 +39,14 @@ class StreamView:
     def kv_bytes(self) -> int | None:
         return self.engine.kv_bytes if self.engine is not None else None
 
-    def to_json(self, policy: StatePolicy) -> dict[str, Any]:
+    @property
+    def owner_pid(self) -> int:
+        """Who owns the socket: the engine that announced it, else the collector's finding."""
+        return self.engine.engine_pid if self.engine is not None else self.sample.pid
+
+    def to_json(self) -> dict[str, Any]:
         """The `kvwatch streams --json` contract: the socket plus the join."""
-        row = socket_json(self.sample, self.now_ns, policy)
-        row["state"] = self.state.value
+        row = socket_json(self.sample, self.now_ns, self.policy, self.judgement)
         engine = self.engine
         row.update(
             request_id=engine.request_id if engine else None,
@@ -91,12 +97,22 @@ class Joiner:
         return tuple(self.gpus.process_gpu(pid))
 
     def view(
-        self, sample: SocketSample, engine: EngineStream | None, now_ns: int, policy: StatePolicy
+        self,
+        sample: SocketSample,
+        engine: EngineStream | None,
+        now_ns: int,
+        policy: StatePolicy,
+        judgement: StallJudgement | None = None,
     ) -> StreamView:
+        """The stream of `sample`; `judgement` is the judge's verdict on it when the caller
+        already has one (the stall timers), else it is judged here."""
         pid = engine.engine_pid if engine is not None else sample.pid
+        verdict = judgement if judgement is not None else judge(sample, now_ns, policy)
         return StreamView(
             sample=sample,
-            state=classify(sample, now_ns, policy),
+            judgement=verdict,
+            state=state_of(sample, verdict, now_ns, policy),
+            policy=policy,
             engine=engine,
             process=self.process(pid),
             gpus=self.gpu_use(pid),

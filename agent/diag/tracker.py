@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvwatch.diag.snapshot import DiagSnapshot
 from kvwatch.diag.wire import TIMER_PERSIST, DiagEntry
+from kvwatch.probes import persist_elapsed_ns
 from kvwatch.procfs import SocketOwners
 from kvwatch.sockets import SocketSample, sndbuf_full
 
@@ -68,6 +69,17 @@ def _in_zero_window(entry: DiagEntry) -> bool:
     return entry.tcp_info.snd_wnd == 0 and _pending_bytes(entry) > 0
 
 
+def stalled_before_ns(entry: DiagEntry) -> int:
+    """How long a socket first seen now has at least sat in a zero window with data pending
+    and no ACK progress, from the kernel's persist timer (0 when it is not in one). Capped by
+    the time since data was last sent: all of it was acknowledged before the window closed."""
+    info = entry.tcp_info
+    if entry.timer != TIMER_PERSIST or not _in_zero_window(entry):
+        return 0
+    elapsed = persist_elapsed_ns(info.backoff, info.rto_us, entry.timer_expires_ms)
+    return min(elapsed, info.last_data_sent_ms * 1_000_000)
+
+
 def _sndbuf_full(entry: DiagEntry) -> bool:
     return entry.sndbuf > 0 and sndbuf_full(entry.wmem_queued, entry.sndbuf)
 
@@ -77,8 +89,10 @@ class DiagTracker:
 
     Semantics, per poll at `observed_ns` (the snapshot's CLOCK_MONOTONIC time):
     - key = socket cookie; a socket absent from a snapshot is dropped with its history.
-    - first sight sets first_seen_ns = progress_ns = observed_ns (no-progress is measured from
-      when kvwatch started watching, never guessed backwards).
+    - first sight sets first_seen_ns = progress_ns = observed_ns, except for a socket the
+      kernel holds in a zero window with its persist timer running: its probe schedule says
+      how long it has at least been there (`stalled_before_ns`), and the zero-window episode
+      and the no-progress clock start that long ago.
     - progress_ns moves to observed_ns when tcpi_bytes_acked grew since the previous poll, or
       when data is pending now and nothing was pending at the previous poll.
     - zero window = tcpi_snd_wnd == 0 and pending bytes > 0; sndbuf full = wmem_queued >=
@@ -107,12 +121,23 @@ class DiagTracker:
         for entry in snapshot.entries:
             history = previous.get(entry.cookie)
             if history is None:
-                info = entry.tcp_info
-                history = _History(now_ns, now_ns, info.bytes_acked, 0, info.backoff)
+                history = self._first_sight(entry, now_ns)
             self._advance(history, entry, now_ns)
             self._history[entry.cookie] = history
         self._resolve_owners(snapshot.entries)
         return [self._sample(entry, snapshot) for entry in snapshot.entries]
+
+    @staticmethod
+    def _first_sight(entry: DiagEntry, now_ns: int) -> _History:
+        info = entry.tcp_info
+        history = _History(now_ns, now_ns, info.bytes_acked, 0, info.backoff)
+        stalled_ns = stalled_before_ns(entry)
+        if stalled_ns:
+            # Already stalled: pending, so _advance does not take the first poll for progress.
+            history.progress_ns = now_ns - stalled_ns
+            history.pending_bytes = _pending_bytes(entry)
+            history.zero_window.observe(True, now_ns - stalled_ns)
+        return history
 
     @staticmethod
     def _advance(history: _History, entry: DiagEntry, now_ns: int) -> None:
@@ -170,4 +195,7 @@ class DiagTracker:
             progress_ns=history.progress_ns,
             first_seen_ns=history.first_seen_ns,
             bytes_acked=info.bytes_acked,
+            peer_wscale=info.peer_wscale,
+            rto_us=info.rto_us,
+            last_ack_ns=now_ns - info.last_ack_recv_ms * 1_000_000,
         )

@@ -39,14 +39,16 @@ _SK_MEMINFO_WMEM_QUEUED = 5
 
 # struct tcp_info offsets (bytes) of the fields kvwatch reads, with the Linux version adding each.
 _U8, _U32, _U64 = struct.Struct("=B"), struct.Struct("=I"), struct.Struct("=Q")
-_TCPI_PROBES, _TCPI_BACKOFF = 3, 4
-_TCPI_SND_MSS, _TCPI_UNACKED = 16, 24
+_TCPI_PROBES, _TCPI_BACKOFF, _TCPI_OPTIONS, _TCPI_WSCALE = 3, 4, 5, 6
+_TCPI_RTO, _TCPI_SND_MSS, _TCPI_UNACKED = 8, 16, 24
+_TCPI_LAST_DATA_SENT, _TCPI_LAST_ACK_RECV = 44, 56
 _TCPI_RTT, _TCPI_SND_CWND, _TCPI_TOTAL_RETRANS = 68, 80, 100
 _TCPI_BYTES_ACKED = 120  # 4.1
 _TCPI_NOTSENT_BYTES = 144  # 4.6
 _TCPI_BYTES_SENT = 200  # 4.19
 _TCPI_SND_WND = 228  # 5.4
 TCP_INFO_MIN_BYTES = _TCPI_NOTSENT_BYTES + 4
+_TCPI_OPT_WSCALE = 4  # tcpi_options: window scaling was negotiated
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,18 @@ class TcpInfo:
     """The struct tcp_info fields kvwatch reads; None marks a field this kernel does not send.
 
     `probes` is icsk_probes_out (unanswered probes, reset by every ACK); `backoff` is
-    icsk_backoff (grows with each zero-window probe or RTO, reset when the window opens).
+    icsk_backoff (grows with each zero-window probe or RTO, reset when the window opens);
+    `rto_us` the current retransmission timeout; `last_data_sent_ms` and `last_ack_recv_ms`
+    the time since data was last sent and since the last ACK arrived; `peer_wscale` the window
+    scale the peer's windows are shifted by (0 when window scaling was not negotiated).
     """
 
     probes: int
     backoff: int
+    peer_wscale: int
+    rto_us: int
+    last_data_sent_ms: int
+    last_ack_recv_ms: int
     snd_mss: int
     unacked_segments: int
     rtt_us: int
@@ -74,6 +83,7 @@ class TcpInfo:
 class DiagEntry:
     """One TCP socket from a sock_diag dump, as the kernel reported it.
 
+    `timer` is idiag_timer (which timer is armed) and `timer_expires_ms` when it fires next.
     `send_queue_bytes` is idiag_wqueue, which the kernel fills with write_seq - snd_una (what
     `ss` shows as Send-Q): every byte written and not yet acknowledged.
     """
@@ -83,6 +93,7 @@ class DiagEntry:
     remote: Endpoint
     tcp_state: int
     timer: int
+    timer_expires_ms: int
     inode: int
     uid: int
     cookie: int
@@ -118,6 +129,13 @@ def _required(layout: struct.Struct, raw: bytes, offset: int) -> int:
     return value
 
 
+def _peer_wscale(raw: bytes) -> int:
+    """tcpi_snd_wscale (the low nibble of its byte), 0 without window scaling."""
+    if not _required(_U8, raw, _TCPI_OPTIONS) & _TCPI_OPT_WSCALE:
+        return 0
+    return _required(_U8, raw, _TCPI_WSCALE) & 0x0F
+
+
 def parse_tcp_info(raw: bytes) -> TcpInfo:
     """Parses the payload of INET_DIAG_INFO for TCP (struct tcp_info, host byte order)."""
     if len(raw) < TCP_INFO_MIN_BYTES:
@@ -129,6 +147,10 @@ def parse_tcp_info(raw: bytes) -> TcpInfo:
     return TcpInfo(
         probes=_required(_U8, raw, _TCPI_PROBES),
         backoff=_required(_U8, raw, _TCPI_BACKOFF),
+        peer_wscale=_peer_wscale(raw),
+        rto_us=_required(_U32, raw, _TCPI_RTO),
+        last_data_sent_ms=_required(_U32, raw, _TCPI_LAST_DATA_SENT),
+        last_ack_recv_ms=_required(_U32, raw, _TCPI_LAST_ACK_RECV),
         snd_mss=_required(_U32, raw, _TCPI_SND_MSS),
         unacked_segments=_required(_U32, raw, _TCPI_UNACKED),
         rtt_us=_required(_U32, raw, _TCPI_RTT),
@@ -197,7 +219,7 @@ def parse_inet_diag_msg(message: bytes) -> DiagEntry | None:
     """
     body = message[NLMSG_HEADER_BYTES:]
     (family, state, timer, _retrans, sport, dport, src, dst, _if, cookie_low, cookie_high,
-     _expires, _rqueue, wqueue, uid, inode) = _INET_DIAG_MSG.unpack_from(body)  # fmt: skip
+     expires, _rqueue, wqueue, uid, inode) = _INET_DIAG_MSG.unpack_from(body)  # fmt: skip
     attributes = parse_attributes(body[_INET_DIAG_MSG.size :])
     info, meminfo = attributes.get(INET_DIAG_INFO), attributes.get(INET_DIAG_SKMEMINFO)
     if info is None or meminfo is None:
@@ -209,6 +231,7 @@ def parse_inet_diag_msg(message: bytes) -> DiagEntry | None:
         remote=Endpoint.from_packed(family, dst, int.from_bytes(dport, "big")),
         tcp_state=state,
         timer=timer,
+        timer_expires_ms=expires,
         inode=inode,
         uid=uid,
         cookie=cookie_from_halves(cookie_low, cookie_high),

@@ -37,7 +37,9 @@ def test_a_decision_is_one_json_line_in_the_file_and_on_the_echo(tmp_path: Path)
     path = tmp_path / "nested" / "dir" / "audit.jsonl"  # parents are created
     echo = io.StringIO()
     with AuditLog(str(path), echo=echo) as audit:
-        entry = audit.record(WOULD_CANCEL, evidence(), request_id="req-1")
+        entry = audit.record(
+            WOULD_CANCEL, evidence(), {"request_id": "req-1", "decision_id": "d-1"}
+        )
         assert read_lines(path) == [entry]  # flushed per line, before close
     assert echo.getvalue() == path.read_text()
     assert entry["kind"] == "decision"
@@ -57,7 +59,7 @@ def test_entries_are_appended_across_reopenings(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     for request_id in ("a", "b"):
         with AuditLog(str(path), echo=None) as audit:
-            audit.record(WOULD_CANCEL, {}, request_id=request_id)
+            audit.record(WOULD_CANCEL, {}, {"request_id": request_id})
     assert [line["request_id"] for line in read_lines(path)] == ["a", "b"]
 
 
@@ -65,11 +67,14 @@ def test_an_outcome_records_what_the_action_did(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     with AuditLog(str(path), echo=None) as audit:
         entry = audit.record_outcome(
-            "req-1", "cancel", {"acknowledged": True, "freed_blocks": 12, "freed_bytes": 786432}
+            {"request_id": "req-1", "decision_id": "d-1", "local": "10.0.0.1:8000"},
+            "cancel",
+            {"acknowledged": True, "freed_blocks": 12, "freed_bytes": 786432},
         )
     assert read_lines(path) == [entry]
     assert (entry["kind"], entry["action"]) == ("outcome", "cancel")
     assert entry["result"]["freed_blocks"] == 12
+    assert (entry["decision_id"], entry["local"], entry["remote"]) == ("d-1", "10.0.0.1:8000", None)
 
 
 def test_no_path_logs_to_stdout_only(capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,7 +102,7 @@ def test_write_failures_are_counted_never_raised() -> None:
     echo = io.StringIO()
     audit = AuditLog("/dev/full", echo=echo)
     audit.record(WOULD_CANCEL, {})
-    audit.record_outcome("r", "reset", {"errno": 0})
+    audit.record_outcome({"request_id": "r"}, "reset", {"errno": 0})
     assert audit.write_errors == 2
     assert len(echo.getvalue().splitlines()) == 2  # the echo still got both
     echo.close()
@@ -113,7 +118,7 @@ def test_concurrent_writers_never_interleave_lines(tmp_path: Path) -> None:
 
     def write(worker: int) -> None:
         for n in range(100):
-            audit.record(WOULD_CANCEL, big, request_id=f"{worker}-{n}")
+            audit.record(WOULD_CANCEL, big, {"request_id": f"{worker}-{n}"})
 
     threads = [threading.Thread(target=write, args=(worker,)) for worker in range(8)]
     for thread in threads:

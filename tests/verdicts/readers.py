@@ -1,0 +1,121 @@
+"""Stream clients as the world has them: receive buffers from 4 KB to the kernel's default
+and autotuned, readers that keep up, readers slower than the writer, readers that stop.
+Each runs on its own thread and records what happened to its connection."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import socket
+import struct
+import termios
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvwatch.scenario import abort
+
+# What sets the client's receive buffer: a fixed SO_RCVBUF, or the kernel's default
+# (tcp_rmem[1]) with autotuning, either read slowly from the start or after a fast phase
+# that lets autotuning grow the buffer.
+Buffer = Literal["4k", "64k", "default", "autotuned"]
+AUTOTUNE_SECONDS = 3.0
+READ_QUANTUM_BYTES = 1024
+TICK_SECONDS = 0.02
+
+
+def _unread_bytes(sock: socket.socket) -> int:
+    raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    count: int = struct.unpack("i", raw)[0]
+    return count
+
+
+@dataclass
+class Reader:
+    """One client. `rate` is what it drains, bytes per second, while it reads; it stops
+    reading for good after `read_seconds` (None: never; 0: right after the first bytes)."""
+
+    name: str
+    buffer: Buffer
+    rate: int
+    read_seconds: float | None = None
+    sock: socket.socket | None = None
+    local: str = ""
+    bytes_read: int = 0
+    max_unread: int = 0
+    stopped_ns: int = 0
+    reset_ns: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.read_seconds is None
+
+    def connect(self, sock: socket.socket, host: str, port: int) -> None:
+        if self.buffer in ("4k", "64k"):
+            size = 4096 if self.buffer == "4k" else 65536
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+        sock.connect((host, port))
+        sock.sendall(b"stream\n")
+        self.sock = sock
+        self.local = "{}:{}".format(*sock.getsockname()[:2])
+        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        assert self.sock is not None
+        self.sock.settimeout(TICK_SECONDS)
+        try:
+            self._read()
+            self.stopped_ns = time.monotonic_ns()
+            self._hold()
+        except OSError as exc:
+            if exc.errno in (errno.ECONNRESET, errno.EPIPE) or isinstance(exc, ConnectionError):
+                self.reset_ns = time.monotonic_ns()
+
+    def _read(self) -> None:
+        """Reads at `rate` (after the autotuning phase) until `read_seconds` have passed."""
+        assert self.sock is not None
+        start = time.monotonic()
+        if self.read_seconds == 0:
+            self.sock.settimeout(None)
+            self.bytes_read += len(self.sock.recv(200))
+            self.sock.settimeout(TICK_SECONDS)
+            return
+        fast_until = start + AUTOTUNE_SECONDS if self.buffer == "autotuned" else start
+        phase_start, phase_bytes = fast_until, 0
+        while not self.stop.is_set():
+            now = time.monotonic()
+            if self.read_seconds is not None and now - start >= self.read_seconds:
+                return
+            self.max_unread = max(self.max_unread, _unread_bytes(self.sock))
+            allowed = 1 << 16 if now < fast_until else int(self.rate * (now - phase_start))
+            want = min(allowed - phase_bytes, READ_QUANTUM_BYTES if now >= fast_until else 1 << 16)
+            if want <= 0:
+                time.sleep(TICK_SECONDS)
+                continue
+            with contextlib.suppress(TimeoutError):
+                data = self.sock.recv(want)
+                if not data:
+                    raise ConnectionResetError("the server closed the stream")
+                self.bytes_read += len(data)
+                if now >= fast_until:
+                    phase_bytes += len(data)
+
+    def _hold(self) -> None:
+        """Keeps the connection open without reading; notices a reset."""
+        assert self.sock is not None
+        while not self.stop.wait(0.05):
+            if self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                self.reset_ns = time.monotonic_ns()
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=2)
+        if self.sock is not None:
+            abort(self.sock)

@@ -17,7 +17,7 @@ from typing import Protocol
 from kvwatch.bpf.collector import BpfBackend, BpfCollector
 from kvwatch.bpf.loader import BTF_PATH, AttachReport, CollectorSettings
 from kvwatch.config import BACKENDS, Backend
-from kvwatch.diag.snapshot import DiagClient
+from kvwatch.diag.namespaces import NamespacedDiag
 from kvwatch.diag.tracker import DiagTracker
 from kvwatch.errors import ConfigError, KvwatchError
 from kvwatch.procfs import Procfs, SocketOwners
@@ -45,17 +45,18 @@ class SocketCollector(Protocol):
 
 
 class DiagCollector:
-    """sock_diag polling: the degraded collector (no BPF) and the start-up bootstrap."""
+    """sock_diag polling, in every network namespace of the node: the degraded collector (no
+    BPF) and the start-up bootstrap."""
 
     def __init__(self, settings: CollectorSettings, owners: SocketOwners) -> None:
         self.ports = settings.ports
         self.pid = settings.pid
-        self.client = DiagClient()
+        self.client = NamespacedDiag(owners.procfs)
         self.tracker = DiagTracker(owners)
         self._last: dict[int, SocketSample] = {}
 
     def samples(self) -> list[SocketSample]:
-        found = self.tracker.update(self.client.snapshot(self.ports))
+        found = self.tracker.update(*self.client.snapshots(self.ports))
         kept = [s for s in found if not self.pid or s.pid == self.pid]
         self._last = {s.key: s for s in kept}
         return kept

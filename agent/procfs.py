@@ -126,6 +126,18 @@ class Procfs:
         except FileNotFoundError:
             return []
 
+    def network_namespaces(self) -> dict[int, str]:
+        """Each network namespace some process lives in: its inode -> a path to enter it by
+        (the /proc/PID/ns/net of one of its processes)."""
+        found: dict[int, str] = {}
+        for pid in self.pids():
+            path = os.path.join(self.root, str(pid), "ns", "net")
+            try:
+                found.setdefault(os.stat(path).st_ino, path)
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+        return found
+
     def socket_inodes(self, pid: int) -> list[int]:
         """Inodes of the sockets among the open fds of `pid` (empty if it vanished or denies)."""
         fd_dir = os.path.join(self.root, str(pid), "fd")

@@ -66,8 +66,9 @@ class SocketSample:
     for every source, so two views of one socket can tell whether progress happened between.
     `peer_rwnd_max` is the largest window the peer ever advertised (0: unknown, sock_diag);
     `peer_wscale` the peer's window scale (-1: unknown); `rto_us` the retransmission timeout
-    the zero-window probes are timed from; `last_ack_ns` when the last segment from the peer
-    arrived (0: unknown) — during a zero window, the answer to the newest probe.
+    the zero-window probes are timed from and `probe_backoff` how often their interval has
+    doubled (icsk_backoff, as of the newest segment); `last_ack_ns` when the last segment
+    from the peer arrived (0: unknown) — during a zero window, the answer to the newest probe.
     """
 
     key: int
@@ -103,6 +104,7 @@ class SocketSample:
     peer_rwnd_max: int = 0
     peer_wscale: int = -1
     rto_us: int = 0
+    probe_backoff: int = 0
     last_ack_ns: int = 0
 
     @property

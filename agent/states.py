@@ -116,9 +116,11 @@ class StallJudgement:
     how long they must hold before the socket is stalled, counted from `since_ns`: at least
     `stall_seconds`, and until the kernel has shown that a reader draining the guaranteed
     rate would have moved: such a reader has emptied its buffer by `drained_ns`, and the
-    first zero-window probe (or retransmission) after that reopens the flow. `proven` says
-    the kernel has shown it: a segment from the peer after `drained_ns` and still no ACK
-    progress, or the peer silent through two probes (gone, not slow). `basis` names the
+    first zero-window probe (or retransmission) after that reopens the flow: the answer to
+    it is due `required_ns` after `since_ns` at the latest. `proof` says how the kernel has
+    shown it ("" while it has not): "answer", a segment from the peer after `drained_ns` and
+    still no ACK progress; or "silence", no answer to the two probes sent after the peer's
+    newest segment (it is gone, not slow; this can come before `required_ns`). `basis` names the
     pressure: "zero_window", or "sndbuf_full" (a window too small for a segment, or no ACK
     at all). `recheck_ns` is when the
     verdict can next change without a new observation (0: only a new observation changes it).
@@ -127,7 +129,7 @@ class StallJudgement:
     since_ns: int
     required_ns: int
     stalled: bool
-    proven: bool
+    proof: str
     recheck_ns: int
     basis: str
     buffer_bytes: int = 0
@@ -151,7 +153,7 @@ class StallJudgement:
         fields: dict[str, Any] = {
             "basis": self.basis,
             "stall_seconds": policy.stall_seconds,
-            "proven": self.proven,
+            "proof": self.proof or None,
         }
         fields.update(
             min_reader_bytes_per_second=policy.min_reader_bytes_per_second,
@@ -161,7 +163,7 @@ class StallJudgement:
         return fields
 
 
-NOT_STALLING = StallJudgement(0, 0, False, False, 0, "none")
+NOT_STALLING = StallJudgement(0, 0, False, "", 0, "none")
 
 
 def judge(sample: SocketSample, now_ns: int, policy: StatePolicy) -> StallJudgement:
@@ -173,27 +175,39 @@ def judge(sample: SocketSample, now_ns: int, policy: StatePolicy) -> StallJudgem
     buffer_bytes = peer_buffer_bytes(sample)
     rate = policy.min_reader_bytes_per_second
     drained_ns = sample.progress_ns + buffer_bytes * NS_PER_SECOND // rate
-    # Probes (zero window) or retransmissions (no ACK) back off from the episode's start.
+    # Probes (zero window) or retransmissions (no ACK) back off from the newest answer, with
+    # the kernel's backoff then; before any answer, from the episode's start.
     start_ns = sample.zero_window_since_ns or since
-    base_ns, rtt_ns = probe_base_ns(sample.rto_us), sample.srtt_us * 1000
-    expected_ns = first_answer_after_ns(start_ns, base_ns, rtt_ns, drained_ns)
     heard_ns = max(sample.last_ack_ns, since)
-    silent_ns = first_answer_after_ns(
-        start_ns, base_ns, rtt_ns, first_answer_after_ns(start_ns, base_ns, rtt_ns, heard_ns)
+    anchor_ns, backoff = (
+        (sample.last_ack_ns, sample.probe_backoff)
+        if sample.last_ack_ns >= start_ns
+        else (start_ns, 0)
     )
+    base_ns, rtt_ns = probe_base_ns(sample.rto_us), sample.srtt_us * 1000
+    # Silence: no answer to the two probes sent after the newest sign of life.
+    first_after_heard = first_answer_after_ns(anchor_ns, backoff, base_ns, rtt_ns, heard_ns + 1)
+    silent_ns = first_answer_after_ns(anchor_ns, backoff, base_ns, rtt_ns, first_after_heard + 1)
     answered = sample.last_ack_ns >= drained_ns
-    proven = answered or now_ns >= silent_ns + PROOF_POLL_NS
-    stalled = proven and now_ns >= threshold_ns
-    end_ns = max(threshold_ns, min(expected_ns, silent_ns + PROOF_POLL_NS))
+    expected_ns = (
+        sample.last_ack_ns
+        if answered
+        else first_answer_after_ns(anchor_ns, backoff, base_ns, rtt_ns, drained_ns)
+    )
+    silent = now_ns >= silent_ns + PROOF_POLL_NS
+    stalled = (answered or silent) and now_ns >= threshold_ns
+    proof_ns = max(threshold_ns, min(expected_ns, silent_ns + PROOF_POLL_NS))
     if stalled:
         recheck_ns = 0
-    elif now_ns < end_ns:
-        recheck_ns = end_ns
+    elif now_ns < proof_ns:
+        recheck_ns = proof_ns
     else:
         recheck_ns = now_ns + PROOF_POLL_NS
     basis = "zero_window" if sample.zero_window else "sndbuf_full"
+    proof = "answer" if answered else "silence" if silent else ""
+    required_ns = max(threshold_ns, expected_ns) - since
     return StallJudgement(
-        since, end_ns - since, stalled, proven, recheck_ns, basis, buffer_bytes, drained_ns
+        since, required_ns, stalled, proof, recheck_ns, basis, buffer_bytes, drained_ns
     )
 
 

@@ -7,8 +7,8 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from kvwatch.sockets import SocketSample
-from kvwatch.states import StallJudgement, StatePolicy, StreamState, classify, judge, state_of
+from kvwatch.sockets import Endpoint, SocketSample
+from kvwatch.states import StallJudgement, StatePolicy, StreamState, judge, state_of
 
 STATE_STYLES = {
     StreamState.HEALTHY: "green",
@@ -74,9 +74,10 @@ def human_bytes(count: int) -> str:
     return f"{value:.1f}G"
 
 
-def sockets_table(samples: list[SocketSample], now_ns: int, policy: StatePolicy) -> Table:
-    """Fits 80 columns: the local side shows only its port (the server's, usually); ZW is
-    the current zero-window episode and STUCK the time without ACK progress, in seconds."""
+def sockets_table(rows: list[dict[str, Any]]) -> Table:
+    """`socket_json` rows as a table that fits 80 columns: the local side shows only its port
+    (the server's, usually); ZW is the current zero-window episode and STUCK the time
+    without ACK progress, in seconds."""
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
     for header, justify in (
         ("PID/COMM", "left"),
@@ -89,18 +90,19 @@ def sockets_table(samples: list[SocketSample], now_ns: int, policy: StatePolicy)
         ("STUCK", "right"),
     ):
         table.add_column(header, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    for sample in sorted(samples, key=lambda s: -s.no_progress_seconds(now_ns)):
-        state = classify(sample, now_ns, policy)
-        owner = f"{sample.pid}/{sample.comm}" if sample.pid else "-"
-        rwnd = human_bytes(sample.peer_rwnd) if sample.peer_rwnd >= 0 else "?"
+    for row in sorted(rows, key=lambda r: -float(r["no_progress_seconds"])):
+        state = StreamState(row["state"])
+        owner = f"{row['pid']}/{row['comm']}" if row["pid"] else "-"
+        rwnd = human_bytes(row["peer_rwnd"]) if row["peer_rwnd"] >= 0 else "?"
+        fill = row["wmem_queued"] / row["sndbuf"] if row["sndbuf"] > 0 else 0.0
         table.add_row(
             owner[:12],
-            f":{sample.local.port} → {sample.remote}",
+            f":{Endpoint.parse(row['local']).port} → {row['remote']}",
             Text(state.value, style=STATE_STYLES[state]),
-            f"{sample.sndbuf_fill:.0%}",
+            f"{fill:.0%}",
             rwnd,
-            f"{sample.zero_window_seconds(now_ns):.1f}",
-            human_bytes(sample.pending_bytes),
-            f"{sample.no_progress_seconds(now_ns):.1f}",
+            f"{row['zero_window_seconds']:.1f}",
+            human_bytes(row["notsent_bytes"] + row["unacked_bytes"]),
+            f"{row['no_progress_seconds']:.1f}",
         )
     return table

@@ -72,7 +72,7 @@ struct kv_sock_record {
 	__u16 dport;			/* host byte order */
 	__u16 family;
 	__u8 tcp_state;
-	__u8 reserved;
+	__u8 probe_backoff;		/* icsk_backoff: probes (or RTOs) since the flow last moved */
 	char comm[KV_COMM_LEN];
 };
 

@@ -108,6 +108,7 @@ static __always_inline bool KV_FN(kv_read_view)(struct sock *sk, struct kv_tcp_v
 	KV_READ(&view->srtt_us, tp, srtt_us);
 	view->srtt_us >>= 3;
 	KV_READ(&view->rttvar_us, tp, rttvar_us);
+	KV_READ(&view->probe_backoff, tp, inet_conn.icsk_backoff);
 	KV_READ(&view->snd_cwnd, tp, snd_cwnd);
 	KV_READ(&wmem_queued, sk, sk_wmem_queued);
 	KV_READ(&sndbuf, sk, sk_sndbuf);

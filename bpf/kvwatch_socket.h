@@ -35,6 +35,7 @@ struct kv_tcp_view {
 	__u32 snd_cwnd;
 	__u32 wmem_queued;
 	__u32 sndbuf;
+	__u8 probe_backoff;
 	bool sndbuf_full;
 };
 
@@ -121,6 +122,7 @@ static __always_inline void kv_commit(struct kv_sock_record *rec, const struct k
 								 : view->peer_rwnd;
 	rec->srtt_us = view->srtt_us;
 	rec->rttvar_us = view->rttvar_us;
+	rec->probe_backoff = view->probe_backoff;
 	rec->snd_cwnd = view->snd_cwnd;
 	rec->wmem_queued = view->wmem_queued;
 	rec->sndbuf = view->sndbuf;

@@ -58,7 +58,12 @@ struct tcp_options_received {
 	__u16 snd_wscale : 4;
 } KV_CORE;
 
+struct inet_connection_sock {
+	__u8 icsk_backoff;
+} KV_CORE;
+
 struct tcp_sock {
+	struct inet_connection_sock inet_conn;
 	__u32 snd_una;
 	__u32 snd_nxt;
 	__u32 snd_wl1;

@@ -57,6 +57,7 @@ def record_to_sample(record: KvSockRecord, observed_ns: int) -> SocketSample:
         first_acked_ns=record.first_acked_ns,
         peer_rwnd_max=record.peer_rwnd_max,
         rto_us=record.srtt_us + record.rttvar_us,
+        probe_backoff=record.probe_backoff,
         last_ack_ns=record.last_ack_ns,
     )
 

@@ -75,7 +75,7 @@ class KvSockRecord(ctypes.Structure):
         ("dport", c_uint16),
         ("family", c_uint16),
         ("tcp_state", c_uint8),
-        ("reserved", c_uint8),
+        ("probe_backoff", c_uint8),
         ("comm", c_char * COMM_LEN),
     ]
 

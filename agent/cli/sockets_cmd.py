@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import click
 from rich.console import Console
@@ -16,10 +17,14 @@ from kvwatch.cli.options import (
     state_filter_option,
     state_policy,
 )
-from kvwatch.collect import open_collector
-from kvwatch.sockets import SocketSample
-from kvwatch.states import StatePolicy, classify
+from kvwatch.client import DEFAULT_AGENT_URL, get_json
+from kvwatch.collect import OpenedCollector, open_collector
+from kvwatch.errors import KvwatchError
+from kvwatch.sockets import Endpoint
+from kvwatch.states import StatePolicy
 from kvwatch.views import socket_json, sockets_table
+
+AGENT_TIMEOUT_SECONDS = 2.0
 
 
 @click.command("sockets")
@@ -33,6 +38,18 @@ from kvwatch.views import socket_json, sockets_table
     default=1.0,
     show_default=True,
     help="Seconds between refreshes with --watch.",
+)
+@click.option(
+    "--url",
+    default=DEFAULT_AGENT_URL,
+    show_default=True,
+    help="The agent to ask first: when one answers, its view is shown (it has each socket's "
+    "history and the policy's settings); the collector options then do not apply.",
+)
+@click.option(
+    "--standalone",
+    is_flag=True,
+    help="Never ask an agent: load a collector in this process and read the kernel.",
 )
 @click.option(
     "--settle",
@@ -54,6 +71,8 @@ def command(
     as_json: bool,
     watch: bool,
     interval: float,
+    url: str,
+    standalone: bool,
     settle: float,
 ) -> None:
     """Show each TCP socket's send backpressure and stream state.
@@ -61,7 +80,10 @@ def command(
     \b
     States: healthy, slow (queue mostly full or window touching zero, ACKs still moving),
     zero_window (peer window 0 now), stalled (data pending, no ACK progress, window 0 or
-    send buffer full, for --stall-seconds). Only `stalled` is ever acted on.
+    send buffer full, for --stall-seconds and as long as --min-reader-rate requires; an
+    old stall is dated from the kernel's own timers). Only `stalled` is ever acted on.
+    When an agent answers at --url its view is shown, else this process reads the kernel;
+    the first line on stderr says which.
 
     \b
     Examples:
@@ -69,38 +91,84 @@ def command(
       kvwatch sockets --port 8000 --state stalled --json | jq '.[].remote'
       kvwatch sockets --watch --interval 0.5       live view
     """
-    settings = collector_settings(ports, pid, send_hook, max_sockets)
-    policy = state_policy(stall_seconds, min_reader_rate)
-    opened = open_collector(settings, backend, procfs_root)
-    announce_collector(opened.note)
-    try:
+    source: AgentRows | KernelRows | None = (
+        None if standalone else AgentRows.reached(url, ports, pid)
+    )
+    if source is None:
+        settings = collector_settings(ports, pid, send_hook, max_sockets)
+        policy = state_policy(stall_seconds, min_reader_rate)
+        source = KernelRows(open_collector(settings, backend, procfs_root), policy)
         time.sleep(settle)
+    announce_collector(source.note)
+    try:
         if watch and not as_json:
             with Live(console=Console(), auto_refresh=False) as live:
                 while True:
-                    samples, now_ns = _filtered(opened.collector.samples(), states, policy)
-                    live.update(sockets_table(samples, now_ns, policy), refresh=True)
+                    live.update(sockets_table(_filtered(source.rows(), states)), refresh=True)
                     time.sleep(interval)
         while True:
-            samples, now_ns = _filtered(opened.collector.samples(), states, policy)
+            rows = _filtered(source.rows(), states)
             if as_json:
-                rows = [socket_json(s, now_ns, policy) for s in samples]
                 click.echo(json.dumps(rows, indent=None if watch else 2))
             else:
-                Console().print(sockets_table(samples, now_ns, policy))
+                Console().print(sockets_table(rows))
             if not watch:
                 return
             time.sleep(interval)
     except KeyboardInterrupt:
         return
     finally:
-        opened.collector.close()
+        source.close()
 
 
-def _filtered(
-    samples: list[SocketSample], states: tuple[str, ...], policy: StatePolicy
-) -> tuple[list[SocketSample], int]:
-    now_ns = time.monotonic_ns()
-    if states:
-        samples = [s for s in samples if classify(s, now_ns, policy).value in states]
-    return samples, now_ns
+def _filtered(rows: list[dict[str, Any]], states: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [row for row in rows if not states or row["state"] in states]
+
+
+class KernelRows:
+    """This process's own collector; owns it."""
+
+    def __init__(self, opened: OpenedCollector, policy: StatePolicy) -> None:
+        self.opened = opened
+        self.policy = policy
+        self.note = f"view: this process, {opened.note}"
+
+    def rows(self) -> list[dict[str, Any]]:
+        samples = self.opened.collector.samples()
+        now_ns = time.monotonic_ns()
+        return [socket_json(sample, now_ns, self.policy) for sample in samples]
+
+    def close(self) -> None:
+        self.opened.collector.close()
+
+
+class AgentRows:
+    """A running agent's view (/api/v1/sockets), filtered like the collector would be."""
+
+    def __init__(self, url: str, ports: tuple[int, ...], pid: int | None) -> None:
+        self.url = url
+        self.ports = set(ports)
+        self.pid = pid
+        self.note = f"view: the agent at {url} (it has each socket's history)"
+
+    @classmethod
+    def reached(cls, url: str, ports: tuple[int, ...], pid: int | None) -> AgentRows | None:
+        """The agent's view when an agent answers at `url` right now, else None."""
+        source = cls(url, ports, pid)
+        try:
+            source.rows()
+        except KvwatchError:
+            return None
+        return source
+
+    def rows(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = get_json(self.url, "/api/v1/sockets", AGENT_TIMEOUT_SECONDS)
+        return [
+            row
+            for row in rows
+            if (not self.ports or Endpoint.parse(row["local"]).port in self.ports)
+            and (not self.pid or row["pid"] == self.pid)
+        ]
+
+    def close(self) -> None:
+        pass

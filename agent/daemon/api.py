@@ -1,5 +1,5 @@
-"""The agent's HTTP API: /metrics, /api/v1/streams, /api/v1/events, /healthz (Starlette on
-uvicorn, inside the daemon's event loop)."""
+"""The agent's HTTP API: /metrics, /api/v1/sockets, /api/v1/streams, /api/v1/events,
+/healthz (Starlette on uvicorn, inside the daemon's event loop)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from kvwatch.daemon.core import Daemon
 from kvwatch.exporters import agent_registry
+from kvwatch.views import socket_json
 
 
 def build_app(daemon: Daemon) -> Starlette:
@@ -23,6 +24,11 @@ def build_app(daemon: Daemon) -> Starlette:
 
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def sockets(_: Request) -> JSONResponse:
+        now_ns = time.monotonic_ns()
+        policy = daemon.state_policy
+        return JSONResponse([socket_json(s, now_ns, policy) for s in daemon.samples()])
 
     async def streams(_: Request) -> JSONResponse:
         return JSONResponse([view.to_json() for view in daemon.stream_views()])
@@ -77,6 +83,7 @@ def build_app(daemon: Daemon) -> Starlette:
     return Starlette(
         routes=[
             Route("/metrics", metrics),
+            Route("/api/v1/sockets", sockets),
             Route("/api/v1/streams", streams),
             Route("/api/v1/events", events),
             Route("/api/v1/explain/{request_id:path}", explain),

@@ -59,8 +59,8 @@ class DiagSnapshot:
 
 
 def current_netns() -> int:
-    """Inode of this process's network namespace (what sock_diag dumps)."""
-    return os.stat("/proc/self/ns/net").st_ino
+    """Inode of this thread's network namespace (what a sock_diag socket opened now dumps)."""
+    return os.stat("/proc/thread-self/ns/net").st_ino
 
 
 def refuse_running_loop(action: str) -> None:
@@ -144,6 +144,7 @@ class DiagClient:
 
     def __init__(self) -> None:
         refuse_running_loop("opening a sock_diag socket")
+        self.netns = current_netns()  # a netlink socket dumps the namespace it was opened in
         try:
             self._netlink: Any = DiagSocket()
         except (NetlinkError, OSError) as exc:
@@ -193,7 +194,7 @@ class DiagClient:
                 for entry in self._dump(family, port):
                     # A dump that races with socket churn may report a socket twice.
                     entries.setdefault(entry.cookie, entry)
-        return DiagSnapshot(observed_ns, current_netns(), tuple(entries.values()))
+        return DiagSnapshot(observed_ns, self.netns, tuple(entries.values()))
 
     def _dump(self, family: int, local_port: int) -> list[DiagEntry]:
         action = "dumping TCP sockets over sock_diag"

@@ -88,7 +88,7 @@ class DiagTracker:
     """Keeps per-socket history between polls and emits one SocketSample per socket per poll.
 
     Semantics, per poll at `observed_ns` (the snapshot's CLOCK_MONOTONIC time):
-    - key = socket cookie; a socket absent from a snapshot is dropped with its history.
+    - key = socket cookie; a socket absent from a poll is dropped with its history.
     - first sight sets first_seen_ns = progress_ns = observed_ns, except for a socket the
       kernel holds in a zero window with its persist timer running: its probe schedule says
       how long it has at least been there (`stalled_before_ns`), and the zero-window episode
@@ -115,17 +115,19 @@ class DiagTracker:
     def __len__(self) -> int:
         return len(self._history)
 
-    def update(self, snapshot: DiagSnapshot) -> list[SocketSample]:
-        now_ns = snapshot.observed_ns
+    def update(self, *snapshots: DiagSnapshot) -> list[SocketSample]:
+        """One poll: a snapshot of each network namespace, taken together (cookies are
+        unique across namespaces)."""
         previous, self._history = self._history, {}
-        for entry in snapshot.entries:
-            history = previous.get(entry.cookie)
-            if history is None:
-                history = self._first_sight(entry, now_ns)
-            self._advance(history, entry, now_ns)
-            self._history[entry.cookie] = history
-        self._resolve_owners(snapshot.entries)
-        return [self._sample(entry, snapshot) for entry in snapshot.entries]
+        for snapshot in snapshots:
+            for entry in snapshot.entries:
+                history = previous.get(entry.cookie)
+                if history is None:
+                    history = self._first_sight(entry, snapshot.observed_ns)
+                self._advance(history, entry, snapshot.observed_ns)
+                self._history[entry.cookie] = history
+        self._resolve_owners(tuple(e for snapshot in snapshots for e in snapshot.entries))
+        return [self._sample(e, snapshot) for snapshot in snapshots for e in snapshot.entries]
 
     @staticmethod
     def _first_sight(entry: DiagEntry, now_ns: int) -> _History:
@@ -197,5 +199,6 @@ class DiagTracker:
             bytes_acked=info.bytes_acked,
             peer_wscale=info.peer_wscale,
             rto_us=info.rto_us,
+            probe_backoff=info.backoff,
             last_ack_ns=now_ns - info.last_ack_recv_ms * 1_000_000,
         )

@@ -110,5 +110,8 @@ class Agent(processes.Stack):
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[Agent]:
-    with Agent(tmp_path) as running:
+    running = Agent(tmp_path)
+    try:
         yield running
+    finally:
+        running.close()

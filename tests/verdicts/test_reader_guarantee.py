@@ -33,7 +33,7 @@ def readers_for(lab: Lab) -> None:
     for buffer in BUFFERS:
         for rate in (GUARANTEE, 2 * GUARANTEE):
             lab.connect(Reader(f"live-{buffer}-{rate}", buffer, rate))
-    dead = (
+    dead: tuple[tuple[str, Buffer, float], ...] = (
         ("never-4k", "4k", 0.0),
         ("never-64k", "64k", 0.0),
         ("never-default", "default", 0.0),
@@ -83,8 +83,11 @@ def judged(
             problems.append(f"{where} read only {reader.bytes_read} B")
         return problems
     if entry is None:
-        due = row is not None and row["stall_required_seconds"] is not None
-        if due and row["stalled_seconds"] > row["stall_required_seconds"] + 0.5:
+        if (
+            row is not None
+            and row["stall_required_seconds"] is not None
+            and row["stalled_seconds"] > row["stall_required_seconds"] + 0.5
+        ):
             return [f"{where} was due and never acted on: {row['stall_evidence']}"]
         print(f"{where}: not due yet ({row and row['stall_evidence']})")
         return []
@@ -97,7 +100,7 @@ def judged(
     )
     print(summary)
     problems = []
-    if not evidence["stall_evidence"]["proven"]:
+    if not evidence["stall_evidence"]["proof"]:
         problems.append(f"unproven: {summary}")
     if stalled > required + 0.5 or since_stop > required + FILL_SECONDS + 0.5:
         problems.append(f"late: {summary}")

@@ -1,0 +1,124 @@
+"""Stalls older than the agent: recognised from the kernel's own clocks (the persist timer)
+by `kvwatch sockets`, `top --standalone` and a (re)starting agent, with deny rules holding for
+them; and one decision per stall episode when many stall at once."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kvwatch import stack as processes
+
+from .conftest import SERVER_PORT, Agent, Lab
+from .netlab import Link
+from .readers import Reader
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+
+STALLED_BEFORE_SECONDS = 10.0
+# The token server runs as `python -m ...` from the virtualenv: its comm.
+SERVER_COMM = "python"
+
+
+def stalled_client(labs: Callable[[Link], Lab]) -> Reader:
+    """A client with a 4 KB buffer that never reads: its stall is due after stall_seconds."""
+    return labs(Link()).connect(Reader("never-4k", "4k", 0, read_seconds=0))
+
+
+def acts_on(agent: Agent, reader: Reader) -> list[dict[str, object]]:
+    return [entry for entry in agent.acts() if entry["remote"] == reader.local]
+
+
+def wait_for_act(agent: Agent, reader: Reader, timeout_seconds: float) -> dict[str, object]:
+    deadline = time.monotonic() + timeout_seconds
+    while not (found := acts_on(agent, reader)):
+        assert time.monotonic() < deadline, f"no action on {reader.local} in {timeout_seconds} s"
+        time.sleep(0.05)
+    return found[0]
+
+
+def test_an_old_stall_is_stalled_at_once_for_the_tools_and_the_agent(
+    labs: Callable[[Link], Lab], agent: Agent
+) -> None:
+    reader = stalled_client(labs)
+    time.sleep(STALLED_BEFORE_SECONDS)
+
+    rows = [r for r in agent.sockets_json("--standalone") if r["remote"] == reader.local]
+    assert len(rows) == 1, rows
+    assert rows[0]["state"] == "stalled", rows[0]
+    assert rows[0]["stalled_seconds"] >= STALLED_BEFORE_SECONDS - 3, rows[0]
+    top = subprocess.run(
+        [*processes.kvwatch_command(), "top", "--once", "--standalone", "--port", f"{SERVER_PORT}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert re.search(rf"{reader.local.split(':')[1]}.*stalled", top.stdout), top.stdout
+
+    # Its owner's comm denied: never acted on, and the decision names the real owner.
+    agent.start(env={"KVWATCH_POLICY_DENY_COMMS": SERVER_COMM})
+    time.sleep(4)
+    decisions = [e for e in agent.audit_entries("decision") if e["remote"] == reader.local]
+    assert decisions and all(e["reason"] == "denied_by_rule" for e in decisions), decisions
+    assert decisions[0]["evidence"]["pid"] != 0, decisions[0]
+    assert decisions[0]["evidence"]["comm"] == SERVER_COMM, decisions[0]
+    assert not reader.reset_ns
+    agent.close()
+
+    # Allowed: acted on within a second of the agent's start, not after a fresh threshold.
+    agent.start()
+    ready_ns = time.monotonic_ns()
+    entry = wait_for_act(agent, reader, 10)
+    assert int(entry["monotonic_ns"]) - ready_ns <= 1_000_000_000, entry  # type: ignore[call-overload]
+
+
+def test_a_restarted_agent_does_not_wait_a_fresh_threshold(
+    labs: Callable[[Link], Lab], agent: Agent
+) -> None:
+    stall_seconds = 6.0
+    first = agent.start("--stall-seconds", str(stall_seconds))
+    reader = stalled_client(labs)
+    time.sleep(4.0)  # mid-stall: the buffer filled within a second
+    assert not acts_on(agent, reader)
+    first.popen.send_signal(signal.SIGKILL)
+    first.popen.wait()
+    agent.services.remove(first)
+
+    agent.start("--stall-seconds", str(stall_seconds))
+    ready_ns = time.monotonic_ns()
+    entry = wait_for_act(agent, reader, stall_seconds + 2)
+    waited = (int(entry["monotonic_ns"]) - ready_ns) / 1e9  # type: ignore[call-overload]
+    assert waited < stall_seconds - 2, f"the new agent waited {waited:.2f} s: {entry}"
+    assert entry["evidence"]["stalled_seconds"] >= stall_seconds, entry  # type: ignore[index]
+
+
+def test_one_action_per_stall_episode_over_200_stalls(
+    labs: Callable[[Link], Lab], agent: Agent
+) -> None:
+    lab = labs(Link())
+    agent.start()
+    readers = [lab.connect(Reader(f"never-{n}", "4k", 0, read_seconds=0)) for n in range(200)]
+    deadline = time.monotonic() + 90
+    while len({e["remote"] for e in agent.acts()}) < len(readers):
+        assert time.monotonic() < deadline, f"{len(agent.acts())} of 200 acted on"
+        time.sleep(0.5)
+    while len(agent.audit_entries("outcome")) < len(readers):  # resets run one at a time
+        assert time.monotonic() < deadline, f"{len(agent.audit_entries('outcome'))} resets done"
+        time.sleep(0.5)
+    time.sleep(3)  # room for a second action, were there one
+    acts = agent.acts()
+    assert sorted(e["remote"] for e in acts) == sorted(r.local for r in readers)
+    outcomes = agent.audit_entries("outcome")
+    assert len(outcomes) == 200, outcomes
+    assert {o["decision_id"] for o in outcomes} == {e["decision_id"] for e in acts}
+    assert all(o["result"]["status"] == "reset" for o in outcomes), outcomes
+    counted = re.search(
+        r'kvwatch_policy_decisions_total\{reason="stalled",verdict="act"\} (\d+)', agent.metrics()
+    )
+    assert counted is not None and float(counted.group(1)) == 200

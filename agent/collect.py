@@ -11,6 +11,7 @@ diag view of such sockets until BPF has its own record of them, then polls diag 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +24,9 @@ from kvwatch.errors import ConfigError, KvwatchError
 from kvwatch.procfs import Procfs, SocketOwners
 from kvwatch.sockets import Endpoint, SocketSample
 
+# After the kernel's socket table last evicted a record, sock_diag sweeps for the stalls it
+# has no room for, for this long.
+SWEEP_AFTER_EVICTION_SECONDS = 60.0
 BACKEND_TITLES = {"core": "CO-RE", "bcc": "BCC", "diag": "sock_diag polling"}
 DIAG_LIMITS = "no edge events, episodes at poll resolution"
 ConnectionKey = tuple[int, Endpoint, Endpoint]
@@ -94,18 +98,45 @@ def carry_bootstrap(bpf: SocketSample, diag: SocketSample) -> SocketSample:
     )
 
 
-class MergedCollector:
-    """BPF records first; diag's view for pre-existing sockets BPF has not seen yet.
+@dataclass
+class TableStatus:
+    """How full the kernel's socket table is. `full` while it evicted records in the last
+    SWEEP_AFTER_EVICTION_SECONDS; `sockets_seen` is how many watched sockets the newest
+    sock_diag sweep found (the size that would fit them all; None before any sweep)."""
 
-    Owns both collectors. Invariant: diag is polled only while some bootstrapped socket is
-    still unknown to BPF, so a long-running agent pays for one netlink dump at start-up.
-    `handover` keeps diag's last view of each socket until BPF sees it make progress.
+    max_sockets: int
+    tracked: int = 0
+    evictions: int = 0
+    full: bool = False
+    sockets_seen: int | None = None
+
+
+def needed_sockets(table: TableStatus) -> int:
+    """A --max-sockets that fits what the newest sweep saw, with a quarter to spare."""
+    seen = table.sockets_seen or table.tracked + table.evictions
+    return max(table.max_sockets, seen + seen // 4)
+
+
+class MergedCollector:
+    """BPF records first; diag's view for sockets BPF has no record of.
+
+    Owns both collectors. Invariants: diag is polled only while some bootstrapped socket is
+    still unknown to BPF, or while the kernel's table evicts (then every poll sweeps for the
+    sockets it has no room for that hold pending data under back-pressure, so no stall goes
+    unseen for the table's size); a long-running agent with room in its table pays for one
+    netlink dump at start-up. `handover` keeps diag's last view of each bootstrapped socket
+    until BPF sees it make progress.
     """
 
-    def __init__(self, bpf: BpfCollector, diag: DiagCollector, owners: SocketOwners) -> None:
+    def __init__(
+        self, bpf: BpfCollector, diag: DiagCollector, owners: SocketOwners, max_sockets: int
+    ) -> None:
         self.bpf = bpf
-        self.diag: DiagCollector | None = diag
+        self.diag = diag
         self.owners = owners
+        self.table = TableStatus(max_sockets)
+        self.bootstrapping = True
+        self._swept_until_ns = 0
         self.handover: dict[ConnectionKey, SocketSample] = {}
         # The bootstrap snapshot is taken now, at attach time, so a socket that was already
         # stalled is timed from the agent's start, not from its first report.
@@ -117,16 +148,26 @@ class MergedCollector:
 
     def samples(self) -> list[SocketSample]:
         found = [self.admit(sample) for sample in self.bpf.samples()]
-        waiting: list[SocketSample] = []
-        if self.diag is not None:
-            bootstrapped = self.diag.samples()
-            self.handover.update((connection_key(s), s) for s in bootstrapped)
-            known = {connection_key(sample) for sample in found}
-            waiting = [s for s in bootstrapped if connection_key(s) not in known]
-            if not waiting:
-                self.diag.close()
-                self.diag = None
-        return found + waiting
+        self._note_evictions(len(found))
+        if not (self.bootstrapping or self.table.full):
+            return found
+        swept = self.diag.samples()
+        self.table.sockets_seen = len(swept)
+        known = {connection_key(sample) for sample in found}
+        unseen = [s for s in swept if connection_key(s) not in known]
+        if self.bootstrapping:
+            self.handover.update((connection_key(s), s) for s in swept)
+            self.bootstrapping = bool(unseen)
+            return found + unseen
+        return found + [s for s in unseen if s.pending_bytes and (s.zero_window or s.sndbuf_full)]
+
+    def _note_evictions(self, tracked: int) -> None:
+        evictions = self.bpf.stats(tracked)["evictions"]
+        now_ns = time.monotonic_ns()
+        if evictions > self.table.evictions:
+            self._swept_until_ns = now_ns + int(SWEEP_AFTER_EVICTION_SECONDS * 1e9)
+        self.table.tracked, self.table.evictions = tracked, evictions
+        self.table.full = now_ns < self._swept_until_ns
 
     def sample(self, key: int) -> SocketSample | None:
         fresh = self.bpf.sample(key)
@@ -159,8 +200,7 @@ class MergedCollector:
 
     def close(self) -> None:
         self.bpf.close()
-        if self.diag is not None:
-            self.diag.close()
+        self.diag.close()
 
 
 @dataclass
@@ -217,5 +257,5 @@ def open_collector(
             f"polling: {DIAG_LIMITS}. To fix: {exc.hint}"
         )
         return OpenedCollector(DiagCollector(settings, owners), "diag", note)
-    merged = MergedCollector(bpf, DiagCollector(settings, owners), owners)
+    merged = MergedCollector(bpf, DiagCollector(settings, owners), owners, settings.max_sockets)
     return OpenedCollector(merged, chosen, f"{why}; {bpf.report.describe()}")

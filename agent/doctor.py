@@ -385,6 +385,25 @@ def check_daemon(url: str, health: dict[str, Any] | None, error: str) -> Check:
     )
 
 
+def check_socket_table(health: dict[str, Any] | None) -> Check:
+    table = health.get("socket_table") if health is not None else None
+    if not isinstance(table, dict):
+        return Check("socket table", "info", "unknown: the daemon does not answer or has no BPF")
+    detail = (
+        f"{table.get('tracked')} of {table.get('max_sockets')} records in use, "
+        f"{table.get('evictions')} evicted"
+    )
+    if not table.get("full"):
+        return Check("socket table", "ok", detail)
+    return Check(
+        "socket table",
+        "warn",
+        f"full: {detail}; {table.get('sockets_seen')} sockets watched, so the agent sweeps "
+        "with sock_diag for the stalls the table has no room for (slower, coarser)",
+        f"raise --max-sockets (collector.max_sockets) to at least {table.get('needed_sockets')}",
+    )
+
+
 def check_engines(health: dict[str, Any] | None) -> Check:
     if health is None:
         return Check("engines", "info", "unknown: the daemon does not answer")
@@ -428,6 +447,7 @@ def run_checks(
     checks.extend(check_sysctls(procfs_root))
     health, error = fetch_health(url)
     checks.append(check_daemon(url, health, error))
+    checks.append(check_socket_table(health))
     checks.append(check_hook_socket(hook_socket, health is not None))
     checks.append(check_engines(health))
     return checks

@@ -13,10 +13,14 @@ The target is judged on the spread phases (independent stalls); the burst phase 
 beside it.
 
 Everything is read from the agent's audit log. A decision line holds `stalled_seconds`
-(how long the stall conditions had held when the agent decided, in ms resolution); its
-monotonic time minus (stalled_seconds - stall_seconds) is the threshold crossing. The cancel
-outcome line is written when the engine's acknowledgement arrives. So:
-  decision delay    = stalled_seconds - stall_seconds   (timer, policy, evidence)
+(how long the stall conditions had held when the agent decided, in ms resolution) and
+`stall_required_seconds` (how long the judge required them to hold for this socket: at least
+stall_seconds, and until the kernel showed a reader at the guaranteed rate would have moved;
+docs/collector.md); its monotonic time minus (stalled_seconds - stall_required_seconds) is
+when the stall became due. The cancel outcome line is written when the engine's
+acknowledgement arrives. So:
+  time to act       = stalled_seconds                   (what the reader guarantee costs)
+  decision delay    = stalled_seconds - required         (timer, policy, evidence)
   cancel round trip = outcome time - decision time      (hook request, engine step boundary,
                                                          free, acknowledgement)
   stall-to-free     = the two together.
@@ -62,6 +66,8 @@ TARGET_P99_SECONDS = 0.050
 class StallTiming:
     """One acted-on stall, in seconds."""
 
+    time_to_act: float
+    required: float
     decision_delay: float
     cancel_round_trip: float
     freed_blocks: int
@@ -87,9 +93,12 @@ def timings(entries: list[dict[str, Any]], since_ns: int, until_ns: int) -> list
             continue
         if entry["result"]["status"] != "cancelled":
             continue
+        evidence = decision["evidence"]
         found.append(
             StallTiming(
-                decision_delay=decision["evidence"]["stalled_seconds"] - STALL_SECONDS,
+                time_to_act=evidence["stalled_seconds"],
+                required=evidence["stall_required_seconds"],
+                decision_delay=evidence["stalled_seconds"] - evidence["stall_required_seconds"],
                 cancel_round_trip=(entry["monotonic_ns"] - decision["monotonic_ns"]) / 1e9,
                 freed_blocks=entry["result"]["freed_blocks"],
             )
@@ -169,6 +178,8 @@ def phase_result(
         "stalls_acted_on": acted,
         "stalls_freed": len(found),
         "stall_to_free": total,
+        "time_to_act": summary_ms([t.time_to_act for t in found]),
+        "required": summary_ms([t.required for t in found]),
         "decision_delay": summary_ms([t.decision_delay for t in found]),
         "cancel_round_trip": summary_ms([t.cancel_round_trip for t in found]),
         "freed_blocks_total": sum(t.freed_blocks for t in found),

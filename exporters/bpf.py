@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from kvwatch.bpf.runstats import program_run_stats
+from kvwatch.collect import needed_sockets
 from kvwatch.daemon.core import Daemon
 
 
@@ -39,6 +40,18 @@ def bpf_metrics(daemon: Daemon) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "kvwatch_bpf_sockets_tracked", "Sockets with a kernel record.", value=stats["tracked"]
     )
+    table = daemon.table
+    if table is not None:
+        yield GaugeMetricFamily(
+            "kvwatch_bpf_socket_table_full",
+            "1 while the kernel socket table evicts records (sock_diag then sweeps for stalls).",
+            value=1.0 if table.full else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "kvwatch_bpf_socket_table_needed_sockets",
+            "A --max-sockets that would fit every watched socket, in sockets.",
+            value=needed_sockets(table),
+        )
     runs = CounterMetricFamily(
         "kvwatch_bpf_program_runs",
         "Runs of each BPF program (counted while kernel.bpf_stats_enabled=1).",

@@ -40,7 +40,8 @@ STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "d
 )
 def command(as_json: bool, procfs_root: str, url: str, hook_socket: str) -> None:
     """Check this node: privileges, BTF, tracefs, libbpf, which mode each BPF hook gets,
-    NVML and GPUs, the backpressure sysctls, the daemon, the engine-hook socket and the
+    NVML and GPUs, the backpressure sysctls, the daemon and its socket table (full: what
+    --max-sockets would fit), the engine-hook socket and the
     engines connected to it.
 
     Every hook mode is tried for real (loaded, attached, detached). A failing or warning

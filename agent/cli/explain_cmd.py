@@ -1,4 +1,4 @@
-"""`kvwatch explain REQUEST_ID`: the evidence chain for one stream."""
+"""`kvwatch explain REQUEST_ID|ADDRESS`: the evidence chain for one stream."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ EVENT_TEXT = {
     "sndbuf_full_start": "send buffer full",
     "sndbuf_full_end": "send buffer drained",
     "stall_conditions_began": "stall conditions began (data pending, no ACK progress)",
-    "stalled": "stalled: threshold crossed",
+    "stalled": "stalled: the required time passed and the kernel showed the client did not move",
     "decision": "decision",
     "cancel_acknowledged": "engine acknowledged the cancel",
     "reset_done": "connection reset by the agent",
@@ -38,6 +38,9 @@ EVIDENCE_KEYS = (
     "srtt_us",
     "zero_window_seconds",
     "no_progress_seconds",
+    "stalled_seconds",
+    "stall_required_seconds",
+    "stall_evidence",
 )
 
 
@@ -54,23 +57,27 @@ def describe(entry: dict[str, Any]) -> str:
 
 
 @click.command("explain")
-@click.argument("request_id")
+@click.argument("stream")
 @click.option("--url", default=DEFAULT_AGENT_URL, show_default=True, help="The agent's HTTP API.")
 @click.option("--json", "as_json", is_flag=True, help="Print the evidence chain as JSON.")
-def command(request_id: str, url: str, as_json: bool) -> None:
-    """Show why a stream was (or was not) acted on: its timeline, socket evidence, outcome.
+def command(stream: str, url: str, as_json: bool) -> None:
+    """Show why a stream was (or was not) acted on: its timeline, socket evidence (with the
+    stall's required time and what the verdict rests on), outcome.
 
-    Works for live streams and for recently finished ones (the agent keeps a bounded
-    history). REQUEST_ID is the engine's id, e.g. cmpl-3f2a….
+    \b
+    STREAM is the engine's request id (cmpl-3f2a…), or a socket address at either end of the
+    connection ("10.0.0.7:50123", "[2001:db8::7]:50123") for streams no engine announced.
+    Works for live streams and for recently finished ones (the agent keeps a bounded history).
     """
-    chain = get_json(url, f"/api/v1/explain/{request_id}")
+    chain = get_json(url, f"/api/v1/explain/{stream}")
     if as_json:
         click.echo(json.dumps(chain, indent=2))
         return
     console = Console()
     status = "live" if chain["live"] else "finished"
     console.print(
-        f"[bold]{chain['request_id']}[/bold]  {chain['local']} → {chain['remote']}  ({status})"
+        f"[bold]{chain['request_id'] or 'no request id'}[/bold]  "
+        f"{chain['local']} → {chain['remote']}  ({status})"
     )
     for entry in chain["timeline"]:
         console.print(f"  +{entry['offset_seconds']:8.3f}s  {describe(entry)}")
@@ -81,9 +88,9 @@ def command(request_id: str, url: str, as_json: bool) -> None:
             "[bold]socket evidence[/bold] "
             + ", ".join(f"{key}={evidence[key]}" for key in EVIDENCE_KEYS if key in evidence)
         )
-    stream = chain["stream"] or {}
-    if stream.get("kv_bytes") is not None:
+    joined = chain["stream"] or {}
+    if joined.get("kv_bytes") is not None:
         console.print(
-            f"[bold]KV held[/bold] {stream['kv_blocks']} blocks "
-            f"({human_bytes(stream['kv_bytes'])}), GPU {stream.get('gpu') or '-'}"
+            f"[bold]KV held[/bold] {joined['kv_blocks']} blocks "
+            f"({human_bytes(joined['kv_bytes'])}), GPU {joined.get('gpu') or '-'}"
         )

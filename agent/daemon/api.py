@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -14,8 +16,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvwatch.collect import TableStatus, needed_sockets
 from kvwatch.daemon.core import Daemon
 from kvwatch.exporters import agent_registry
+from kvwatch.sockets import Endpoint
 from kvwatch.views import socket_json
 
 
@@ -41,13 +45,19 @@ def build_app(daemon: Daemon) -> Starlette:
         return JSONResponse([e for e in daemon.decider.events if e["id"] > since])
 
     async def explain(request: Request) -> JSONResponse:
-        request_id = request.path_params["request_id"]
-        timeline = daemon.timelines.find(request_id)
+        key = request.path_params["request_id"]
+        endpoint = _endpoint_or_none(key)
+        if endpoint is not None:
+            timeline = daemon.timelines.find_endpoint(endpoint)
+            what = f"connection with endpoint {endpoint}"
+        else:
+            timeline = daemon.timelines.find(key)
+            what = f"stream with request id {key!r}"
         if timeline is None:
             return JSONResponse(
                 {
-                    "error": f"no stream with request id {request_id!r} is live or in the "
-                    f"history of the last {daemon.timelines.history_size} streams"
+                    "error": f"no {what} is live or in the history of the last "
+                    f"{daemon.timelines.history_size} streams"
                 },
                 status_code=404,
             )
@@ -57,7 +67,7 @@ def build_app(daemon: Daemon) -> Starlette:
                 (
                     v
                     for v in daemon.stream_views()
-                    if v.engine is not None and v.engine.request_id == request_id
+                    if (str(v.sample.local), str(v.sample.remote)) == timeline.connection
                 ),
                 None,
             )
@@ -77,6 +87,7 @@ def build_app(daemon: Daemon) -> Starlette:
                 "engines": daemon.hooks.engines(),
                 "uptime_seconds": round((time.monotonic_ns() - daemon.started_ns) / 1e9, 1),
                 "gpu": daemon.gpus.available,
+                "socket_table": table_json(daemon.table),
             }
         )
 
@@ -90,6 +101,21 @@ def build_app(daemon: Daemon) -> Starlette:
             Route("/healthz", health),
         ]
     )
+
+
+def table_json(table: TableStatus | None) -> dict[str, Any] | None:
+    """The kernel socket table's fill and the --max-sockets that would fit (null without BPF)."""
+    if table is None:
+        return None
+    return {**dataclasses.asdict(table), "needed_sockets": needed_sockets(table)}
+
+
+def _endpoint_or_none(text: str) -> str | None:
+    """`text` as a canonical "ip:port" when it is a socket address, else None."""
+    try:
+        return str(Endpoint.parse(text))
+    except ValueError:
+        return None
 
 
 class ApiServer(uvicorn.Server):

@@ -14,7 +14,13 @@ from kvwatch.audit import AuditLog
 from kvwatch.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.bpf.loader import CollectorSettings
 from kvwatch.bpf.maps import EventRing
-from kvwatch.collect import MergedCollector, OpenedCollector, open_collector
+from kvwatch.collect import (
+    MergedCollector,
+    OpenedCollector,
+    TableStatus,
+    needed_sockets,
+    open_collector,
+)
 from kvwatch.config import AgentConfig
 from kvwatch.daemon.actions import Actions
 from kvwatch.daemon.decide import Decider
@@ -32,6 +38,7 @@ log = logging.getLogger(__name__)
 
 BPF_SCAN_SECONDS = 1.0
 DIAG_SCAN_SECONDS = 0.5
+TABLE_WARNING_NS = 300 * 1_000_000_000
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -90,6 +97,7 @@ class Daemon:
         self._zero_window_started: dict[int, int] = {}
         self._stalled_since: dict[int, int] = {}
         self._live: dict[str, EngineStream] = {}
+        self._table_warned_ns = 0
         self._stop = asyncio.Event()
 
     # -- start and stop ----------------------------------------------------------------
@@ -162,6 +170,33 @@ class Daemon:
                 self._observe(sample, self._samples_ns)
         for key in set(self._stalled_since) - self._samples.keys():
             self._end_stall(key, self._samples_ns)
+        self._warn_if_table_full()
+
+    @property
+    def table(self) -> TableStatus | None:
+        """The kernel socket table's fill (None without BPF)."""
+        collector = self.opened.collector if self.opened is not None else None
+        return collector.table if isinstance(collector, MergedCollector) else None
+
+    def _warn_if_table_full(self) -> None:
+        """A full table is loud: a warning when it starts evicting, then every few minutes."""
+        table = self.table
+        if table is None or not table.full:
+            self._table_warned_ns = 0
+            return
+        now_ns = time.monotonic_ns()
+        if self._table_warned_ns and now_ns - self._table_warned_ns < TABLE_WARNING_NS:
+            return
+        self._table_warned_ns = now_ns
+        log.warning(
+            "the kernel socket table is full: %d records, %d evicted; sock_diag sweeps for "
+            "stalls it has no room for (%s sockets watched). Raise --max-sockets "
+            "(collector.max_sockets) to at least %s",
+            table.max_sockets,
+            table.evictions,
+            table.sockets_seen,
+            needed_sockets(table),
+        )
 
     async def _read_sample(self, key: int) -> SocketSample | None:
         """A fresh look at one socket through the collector's door (owner, carry-over); the

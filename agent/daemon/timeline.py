@@ -121,6 +121,20 @@ class Timelines:
             return self._live[connection]
         return self._finished.get(request_id)
 
+    def find_endpoint(self, endpoint: str) -> Timeline | None:
+        """The newest timeline of a connection with `endpoint` ("ip:port") at either end:
+        live first, then recently closed, then finished (streams no engine announced are
+        kept only among the recently closed)."""
+        for timelines in (
+            self._live.values(),
+            reversed(self._just_closed.values()),
+            reversed(self._finished.values()),
+        ):
+            for timeline in timelines:
+                if endpoint in timeline.connection:
+                    return timeline
+        return None
+
     def finished_count(self) -> int:
         return len(self._finished)
 

@@ -40,7 +40,10 @@ def test_enforce_cancels_every_stalled_stream_and_nothing_else(stack: Stack) -> 
     assert all(d["request_id"].startswith("cmpl-stalled-") for d in decisions), decisions
     for decision in acted:
         assert decision["evidence"]["peer_rwnd"] == 0
-        assert decision["evidence"]["stalled_seconds"] < STALL_SECONDS + LATENCY_MARGIN_SECONDS
+        evidence = decision["evidence"]
+        assert evidence["stall_evidence"]["proof"], evidence
+        required = max(STALL_SECONDS, evidence["stall_required_seconds"])
+        assert evidence["stalled_seconds"] < required + LATENCY_MARGIN_SECONDS, evidence
     cancelled = {o["request_id"]: o for o in outcomes if o["result"]["status"] == "cancelled"}
     assert set(cancelled) == {d["request_id"] for d in acted}
     # A request the scheduler preempted holds no blocks when its cancel comes: freed 0.

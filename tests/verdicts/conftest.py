@@ -89,15 +89,23 @@ class Agent(processes.Stack):
     def acts(self) -> list[dict[str, Any]]:
         return [e for e in self.audit_entries("decision") if e["verdict"] == "act"]
 
-    def sockets_json(self, *args: str) -> list[dict[str, Any]]:
-        """`kvwatch sockets --json` on the server port, as a user runs it."""
+    @staticmethod
+    def cli(*args: str) -> str:
+        """A kvwatch command as a user runs it; its standard output."""
         done = subprocess.run(
-            [*processes.kvwatch_command(), "sockets", "--port", str(SERVER_PORT), "--json", *args],
+            [*processes.kvwatch_command(), *args],
             capture_output=True,
+            text=True,
             check=True,
             timeout=60,
         )
-        rows: list[dict[str, Any]] = json.loads(done.stdout)
+        return done.stdout
+
+    def sockets_json(self, *args: str) -> list[dict[str, Any]]:
+        """`kvwatch sockets --json` on the server port."""
+        rows: list[dict[str, Any]] = json.loads(
+            self.cli("sockets", "--port", str(SERVER_PORT), "--json", *args)
+        )
         return rows
 
     def streams(self) -> list[dict[str, Any]]:

@@ -4,15 +4,13 @@ them; and one decision per stall episode when many stall at once."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 
 import pytest
-
-from kvwatch import stack as processes
 
 from .conftest import SERVER_PORT, Agent, Lab
 from .netlab import Link
@@ -52,14 +50,8 @@ def test_an_old_stall_is_stalled_at_once_for_the_tools_and_the_agent(
     assert len(rows) == 1, rows
     assert rows[0]["state"] == "stalled", rows[0]
     assert rows[0]["stalled_seconds"] >= STALLED_BEFORE_SECONDS - 3, rows[0]
-    top = subprocess.run(
-        [*processes.kvwatch_command(), "top", "--once", "--standalone", "--port", f"{SERVER_PORT}"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    assert re.search(rf"{reader.local.split(':')[1]}.*stalled", top.stdout), top.stdout
+    top = agent.cli("top", "--once", "--standalone", "--port", str(SERVER_PORT))
+    assert re.search(rf"{reader.local.split(':')[1]}.*stalled", top), top
 
     # Its owner's comm denied: never acted on, and the decision names the real owner.
     agent.start(env={"KVWATCH_POLICY_DENY_COMMS": SERVER_COMM})
@@ -96,6 +88,17 @@ def test_a_restarted_agent_does_not_wait_a_fresh_threshold(
     waited = (int(entry["monotonic_ns"]) - ready_ns) / 1e9  # type: ignore[call-overload]
     assert waited < stall_seconds - 2, f"the new agent waited {waited:.2f} s: {entry}"
     assert entry["evidence"]["stalled_seconds"] >= stall_seconds, entry  # type: ignore[index]
+
+    # No engine announced it: `explain` finds it by the client's address, and its outcome
+    # line names the decision.
+    time.sleep(1)
+    chain = json.loads(agent.cli("explain", reader.local, "--url", agent.agent_url, "--json"))
+    events = {e["event"]: e for e in chain["timeline"]}
+    assert chain["remote"] == reader.local and chain["request_id"] is None, chain
+    assert events["decision"]["decision_id"] == entry["decision_id"], chain
+    assert events["reset_done"]["status"] == "reset", chain
+    outcome = next(e for e in agent.audit_entries("outcome") if e["remote"] == reader.local)
+    assert outcome["decision_id"] == entry["decision_id"], outcome
 
 
 def test_one_action_per_stall_episode_over_200_stalls(

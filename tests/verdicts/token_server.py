@@ -1,7 +1,8 @@
-"""A token-stream server for the verdict tests: every client that sends a line gets SSE
-events of about 200 bytes at a fixed rate, written with blocking sends (a coupled engine),
-until it disconnects. Run inside the server namespace: `python -m tests.verdicts.token_server
-HOST PORT BYTES_PER_SECOND`. Prints one JSON line per finished stream."""
+"""A token-stream server for the verdict tests: a client that sends `stream` (or `stream
+RATE`) gets SSE events of about 200 bytes at the server's rate (or RATE bytes per second),
+written with blocking sends (a coupled engine), until it disconnects; any other line gets
+nothing. Run inside the server namespace: `python -m tests.verdicts.token_server HOST PORT
+BYTES_PER_SECOND`. Prints one JSON line per finished stream."""
 
 from __future__ import annotations
 
@@ -16,19 +17,25 @@ EVENT = b"data: " + b"t" * 190 + b"\n\n"
 
 def serve(conn: socket.socket, bytes_per_second: int) -> None:
     peer = "{}:{}".format(*conn.getpeername()[:2])
-    sent, interval = 0, len(EVENT) / bytes_per_second
+    ended = "idle"
     try:
-        conn.recv(256)
-        next_at = time.monotonic()
-        while True:
-            conn.sendall(EVENT)
-            sent += len(EVENT)
-            next_at += interval
-            time.sleep(max(0.0, next_at - time.monotonic()))
+        words = conn.recv(256).split()
+        if words and words[0] == b"stream":
+            stream(conn, len(EVENT) / (int(words[1]) if len(words) > 1 else bytes_per_second))
+        conn.recv(1)  # an idle connection is held until the client leaves
     except OSError as exc:
         ended = type(exc).__name__
-    print(json.dumps({"peer": peer, "sent": sent, "ended": ended}), flush=True)
+    print(json.dumps({"peer": peer, "ended": ended}), flush=True)
     conn.close()
+
+
+def stream(conn: socket.socket, interval: float) -> None:
+    """Writes an event every `interval` seconds until a write fails."""
+    next_at = time.monotonic()
+    while True:
+        conn.sendall(EVENT)
+        next_at += interval
+        time.sleep(max(0.0, next_at - time.monotonic()))
 
 
 def main() -> None:

@@ -1,0 +1,133 @@
+"""The decide step and the stall timers with their real collaborators (hook server, joiner,
+actions, audit log): one decision per stall episode, the budget given back when an action
+takes no effect, a handler that raised tried again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+from kvwatch.audit import AuditLog
+from kvwatch.config import PolicyConfig
+from kvwatch.daemon.actions import Actions
+from kvwatch.daemon.decide import Decider
+from kvwatch.daemon.hook_server import HookServer
+from kvwatch.daemon.join import Joiner
+from kvwatch.daemon.timeline import Timelines
+from kvwatch.daemon.watch import StallWatch
+from kvwatch.gpu import GpuInventory
+from kvwatch.procfs import Procfs
+from kvwatch.sockets import Endpoint, SocketSample
+from kvwatch.states import StallJudgement, judge
+
+from .conftest import run_async, wait_until
+
+POLICY = PolicyConfig(mode="enforce", actions=("reset",), grace_seconds=0, max_cancels_per_minute=1)
+S = 1_000_000_000
+
+
+def unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def stalled_sample(bytes_acked: int = 1000) -> SocketSample:
+    """A socket of this process (a connection that does not exist: a reset finds nothing),
+    stalled for a minute with its peer silent."""
+    now = time.monotonic_ns()
+    since = now - 60 * S
+    return SocketSample(
+        key=7, source="bpf", observed_ns=now, local=Endpoint("127.0.0.1", unused_port()),
+        remote=Endpoint("127.0.0.1", 40000), netns=0, inode=0, pid=os.getpid(),
+        comm="python", tcp_state=1, wmem_queued=9000, sndbuf=9000, notsent_bytes=4096,
+        unacked_bytes=0, peer_rwnd=0, srtt_us=100, snd_cwnd=10, retransmits=0,
+        zero_window_probes=0, zero_window_episodes=1, zero_window_since_ns=since,
+        zero_window_total_ns=0, last_zero_window_end_ns=0, sndbuf_full_episodes=0,
+        sndbuf_full_since_ns=0, progress_ns=since, first_seen_ns=since,
+        bytes_acked=bytes_acked, peer_rwnd_max=4096, rto_us=200_000, last_ack_ns=since,
+    )  # fmt: skip
+
+
+def verdict(sample: SocketSample) -> StallJudgement:
+    judgement = judge(sample, time.monotonic_ns(), POLICY.state_policy())
+    assert judgement.stalled
+    return judgement
+
+
+async def with_decider(socket_path: str, scenario: Callable[[Decider], Awaitable[None]]) -> None:
+    hooks = HookServer(socket_path, (os.geteuid(),))
+    await hooks.start()
+    actions = Actions(hooks, "/proc")
+    decider = Decider(
+        POLICY,
+        hooks,
+        Joiner(Procfs(), GpuInventory()),
+        actions,
+        AuditLog(None, echo=None),
+        Timelines(16),
+    )
+    try:
+        await scenario(decider)
+    finally:
+        actions.close()
+        await hooks.close()
+
+
+def test_one_decision_per_episode_and_a_vain_action_gives_its_budget_back(
+    socket_path: str,
+) -> None:
+    async def scenario(decider: Decider) -> None:
+        sample = stalled_sample()
+        assert await decider.on_stalled(sample, verdict(sample)) is None
+        assert await decider.on_stalled(sample, verdict(sample)) is None  # same episode
+        assert decider.decisions["act", "stalled"] == 1
+        assert decider.actions.tally.outcomes["reset", "stalled", "not_found"] == 1
+        assert decider.budget.remaining(time.monotonic()) == 1  # the reset found nothing
+        moved = stalled_sample(bytes_acked=2000)  # progress, then a new stall
+        await decider.on_stalled(moved, verdict(moved))
+        assert decider.decisions["act", "stalled"] == 2
+        outcomes = [e for e in decider.events if e["kind"] == "outcome"]
+        decisions = [e for e in decider.events if e["kind"] == "decision"]
+        assert [o["decision_id"] for o in outcomes] == [d["decision_id"] for d in decisions]
+
+    run_async(with_decider(socket_path, scenario))
+
+
+def test_a_socket_without_an_owner_is_looked_at_again_not_acted_on(socket_path: str) -> None:
+    async def scenario(decider: Decider) -> None:
+        orphan = stalled_sample().with_changes(pid=0, comm="")
+        assert await decider.on_stalled(orphan, verdict(orphan)) == 1.0
+        assert await decider.on_stalled(orphan, verdict(orphan)) == 1.0
+        assert dict(decider.decisions) == {("skip", "owner_unknown"): 1}
+        assert not decider.actions.tally.outcomes
+
+    run_async(with_decider(socket_path, scenario))
+
+
+def test_a_handler_that_raised_is_tried_again() -> None:
+    sample = stalled_sample()
+    calls: list[float] = []
+
+    async def read(_: int) -> SocketSample:
+        return sample
+
+    async def handler(_: SocketSample, __: StallJudgement) -> float | None:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise RuntimeError("the first try fails")
+        return None
+
+    async def scenario() -> None:
+        watch = StallWatch(POLICY.state_policy(), read, handler)
+        watch.observe(sample)
+        await wait_until(lambda: len(calls) == 2, timeout_seconds=5)
+        watch.observe(sample)  # the episode is done: no third call
+        await asyncio.sleep(0.2)
+        assert len(calls) == 2
+        watch.close()
+
+    run_async(scenario())

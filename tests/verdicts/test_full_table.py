@@ -61,7 +61,7 @@ def test_a_stall_is_found_when_the_table_has_no_room(
         assert table["full"] and table["max_sockets"] == TABLE_SIZE, table
         assert table["sockets_seen"] >= BUSY_STREAMS, table
         metrics = agent.metrics()
-        needed = re.search(r"kvwatch_bpf_socket_table_needed_sockets (\S+)", metrics)
+        needed = re.search(r"^kvwatch_bpf_socket_table_needed_sockets (\S+)$", metrics, re.M)
         assert needed is not None and float(needed.group(1)) >= BUSY_STREAMS
         doctor = agent.cli("doctor", "--url", agent.agent_url)
         assert re.search(r"socket table.*full", doctor), doctor

@@ -29,6 +29,11 @@ def agent_metrics(daemon: Daemon) -> Iterator[Metric]:
         "Engines connected over the hook socket.",
         value=len(daemon.hooks.engines()),
     )
+    yield GaugeMetricFamily(
+        "kvwatch_hook_connections",
+        "Connections open on the hook socket, engines that said hello or not.",
+        value=daemon.hooks.connection_count(),
+    )
     messages = CounterMetricFamily(
         "kvwatch_hook_events",
         "Engine-hook protocol events by kind (messages, drops, refusals, cancels).",

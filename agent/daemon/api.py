@@ -3,19 +3,28 @@ uvicorn, inside the daemon's event loop)."""
 
 from __future__ import annotations
 
-import contextlib
+import json
 import time
-from collections.abc import Iterator
+from typing import Any
 
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse as StarletteJSONResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from kvwatch.daemon.core import Daemon
 from kvwatch.exporters import agent_registry
+
+
+class JSONResponse(StarletteJSONResponse):
+    """JSON that encodes whatever an engine sent: a string that is not Unicode text (a lone
+    surrogate) has those characters replaced by "?" instead of failing the request with 500."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8", "replace")
 
 
 def build_app(daemon: Daemon) -> Starlette:
@@ -84,23 +93,3 @@ def build_app(daemon: Daemon) -> Starlette:
             Route("/healthz", health),
         ]
     )
-
-
-class ApiServer(uvicorn.Server):
-    """uvicorn without its signal handling: the daemon owns SIGINT/SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def api_server(daemon: Daemon, host: str, port: int) -> ApiServer:
-    config = uvicorn.Config(
-        build_app(daemon),
-        host=host,
-        port=port,
-        log_level="warning",
-        lifespan="off",
-        access_log=False,
-    )
-    return ApiServer(config)

@@ -74,7 +74,7 @@ def test_a_request_that_never_completes_is_closed(monkeypatch: pytest.MonkeyPatc
 
 
 def test_json_replies_encode_strings_that_are_not_text() -> None:
-    body = JSONResponse({"engine": "a\ud800b", "n": 1}).body
+    body = bytes(JSONResponse({"engine": "a\ud800b", "n": 1}).body)
     assert json.loads(body) == {"engine": "a?b", "n": 1}
 
 

@@ -15,6 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvwatch.daemon.core import Daemon
+from kvwatch.daemon.timeline import connection_id
 from kvwatch.exporters import agent_registry
 
 
@@ -56,7 +57,10 @@ def build_app(daemon: Daemon) -> Starlette:
                 status_code=404,
             )
         body = timeline.to_json()
-        if not timeline.closed:
+        body["live"] = not timeline.closed and any(
+            connection_id(s.local, s.remote) == timeline.connection for s in daemon.samples()
+        )
+        if body["live"]:
             view = next(
                 (
                     v

@@ -157,6 +157,7 @@ class Daemon:
         samples = await loop.run_in_executor(self._collect, self.opened.collector.samples)
         self._samples = {sample.key: sample for sample in samples}
         self._samples_ns = time.monotonic_ns()
+        self.timelines.sweep({connection_id(s.local, s.remote) for s in samples}, self._samples_ns)
         for sample in samples:
             if sample.zero_window or sample.sndbuf_full or sample.key in self._stalled_since:
                 self._observe(sample, self._samples_ns)

@@ -11,11 +11,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvwatch.daemon.core import Daemon
 from kvwatch.daemon.hook_registry import COUNTER_NAMES
 from kvwatch.daemon.hook_server import HookServer
+from kvwatch.daemon.timeline import Timelines
 from kvwatch.exporters.agent import agent_metrics
 
 
 def test_hook_events_are_a_counter_of_events_only_and_connections_a_gauge() -> None:
-    daemon = cast(Daemon, SimpleNamespace(hooks=HookServer("/nonexistent/engine.sock")))
+    daemon = cast(
+        Daemon,
+        SimpleNamespace(hooks=HookServer("/nonexistent/engine.sock"), timelines=Timelines(10)),
+    )
     families = {family.name: family for family in agent_metrics(daemon)}
     events = families["kvwatch_hook_events"]
     assert isinstance(events, CounterMetricFamily)

@@ -124,7 +124,7 @@ def run_soak(seconds: float) -> dict[str, Any]:
     context = multiprocessing.get_context("fork")
     listener = socket.create_server(("127.0.0.1", 0), backlog=4096)
     port = listener.getsockname()[1]
-    made: Synchronized[int] = context.Value("q", 0)  # type: ignore[assignment]
+    made: Synchronized[int] = context.Value("q", 0)
     children = [
         context.Process(target=accept_and_close, args=(listener,), daemon=True),
         context.Process(target=churn, args=(port, CHURN_PER_SECOND, made), daemon=True),

@@ -33,8 +33,8 @@ class AcceptLoop:
     closes the connection and is logged). `on_exhausted` is called when accept() fails for
     want of a descriptor and should free one (drop a connection) if it can.
 
-    Owned by one event loop; `run` returns when cancelled. `exhausted_total` counts accept
-    failures for want of resources, `pauses_total` the pauses taken.
+    Owned by one event loop; `run` ends only when cancelled. `exhausted_total` counts accept
+    failures for want of resources.
     """
 
     def __init__(
@@ -46,7 +46,6 @@ class AcceptLoop:
     ) -> None:
         self.name = name
         self.exhausted_total = 0
-        self.pauses_total = 0
         self._listener = listener
         self._handle = handle
         self._on_exhausted = on_exhausted
@@ -60,9 +59,7 @@ class AcceptLoop:
             except OSError as exc:
                 if exc.errno in GONE_ERRNOS:
                     continue
-                if exc.errno not in EXHAUSTED_ERRNOS:
-                    raise
-                pause = self._exhausted(exc, pause)
+                pause = self._failed(exc, pause)
                 await asyncio.sleep(pause)
                 continue
             if pause:
@@ -71,18 +68,23 @@ class AcceptLoop:
             self._dispatch(conn)
             await asyncio.sleep(0)  # accept() does not yield while connections queue up
 
-    def _exhausted(self, exc: OSError, pause: float) -> float:
-        """Frees what the owner can, logs the first failure of an episode; the next pause."""
-        self.exhausted_total += 1
-        self.pauses_total += 1
+    def _failed(self, exc: OSError, pause: float) -> float:
+        """Frees a descriptor if that is what is missing, logs the first failure of an
+        episode; returns the next pause. Other errors pause too: accepting must not stop."""
+        exhausted = exc.errno in EXHAUSTED_ERRNOS
         if not pause:
             _log.warning(
-                "%s: cannot accept a connection: %s; dropping the oldest connection and "
-                "pausing (raise the descriptor limit, LimitNOFILE, if this is not an attack)",
+                "%s: cannot accept a connection: %s; pausing%s",
                 self.name,
                 exc.strerror or exc,
+                " and dropping the oldest connection (raise the descriptor limit, LimitNOFILE, "
+                "if this is not a flood)"
+                if exhausted
+                else "",
             )
-        self._on_exhausted()
+        if exhausted:
+            self.exhausted_total += 1
+            self._on_exhausted()
         return min(BACKOFF_MAX_SECONDS, max(BACKOFF_MIN_SECONDS, pause * 2))
 
     def _dispatch(self, conn: socket.socket) -> None:

@@ -86,16 +86,11 @@ class ApiServer:
         self._next_id = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._serving: set[asyncio.Task[None]] = set()
-        self._accept: AcceptLoop | None = None
 
     @property
     def address(self) -> tuple[str, int]:
         host, port = self.listener.getsockname()[:2]
         return str(host), int(port)
-
-    @property
-    def accept_exhausted_total(self) -> int:
-        return self._accept.exhausted_total if self._accept is not None else 0
 
     def connection_count(self) -> int:
         return sum(not connection.closed for connection in self._connections.values())
@@ -103,9 +98,9 @@ class ApiServer:
     async def start(self) -> None:
         self.listener.listen(self._config.backlog)
         self.listener.setblocking(False)
-        self._accept = AcceptLoop("HTTP API", self.listener, self._accepted, self._drop_oldest)
+        accept = AcceptLoop("HTTP API", self.listener, self._accepted, self._drop_oldest)
         self._tasks = [
-            asyncio.create_task(self._accept.run()),
+            asyncio.create_task(accept.run()),
             asyncio.create_task(self._sweep_forever()),
         ]
 

@@ -113,12 +113,15 @@ def test_diag_mode_explain_is_live_only_while_the_socket_exists(
             await wait_until(lambda: daemon.timelines.find("cmpl-diag") is not None)
             await wait_until(lambda: len(daemon.samples()) == 1)
             assert (await explain(daemon))["live"] is True
+            (key,) = (sample.key for sample in daemon.samples())
+            daemon.decider._last[key] = ("would_act", "stalled")  # as after a decision
             client.close()
             accepted.close()
             await wait_until(lambda: daemon.timelines.find("cmpl-diag").closed)  # type: ignore[union-attr]
             body = await explain(daemon)
             assert body["live"] is False
             assert [e["event"] for e in body["timeline"]][-1] == "gone"  # type: ignore[attr-defined]
+            assert key not in daemon.decider._last  # what diag mode no longer sees is forgotten
         finally:
             await asyncio.to_thread(hook.stop)
             daemon.stop()

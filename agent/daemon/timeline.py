@@ -15,7 +15,7 @@ ConnectionId = tuple[str, str]
 ENTRIES_PER_STREAM = 128
 # Live timelines kept at most; past it the oldest is closed ("evicted"). An engine can announce
 # streams on connections the collector never sees, so this, not the socket table, bounds it.
-DEFAULT_MAX_LIVE = 65536
+DEFAULT_MAX_LIVE = 32768
 # A live timeline whose socket the collector has not seen for this long is closed ("gone"):
 # what a close event would have said, for collectors that have none (sock_diag polling) and
 # for announced connections that never existed.

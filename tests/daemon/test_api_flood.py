@@ -1,6 +1,6 @@
 """A neighbour floods the agent's HTTP API (issue #13, finding 1): 1,100 idle connections from
 an unprivileged uid, against an agent held to 1,024 descriptors. The API keeps answering, the
-hook keeps accepting engines, and the log stays small."""
+collector keeps scanning, the hook keeps accepting engines, and the log stays small."""
 
 from __future__ import annotations
 
@@ -72,10 +72,23 @@ def _descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def test_api_flood_leaves_health_and_the_hook_working(tmp_path: Path) -> None:
+def _watched_socket_listed(stack: Stack, port: int) -> bool:
+    """Until the agent's collector lists a socket on `port` (it keeps scanning under flood)."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        rows = httpx.get(f"{stack.agent_url}/api/v1/streams", timeout=5.0).json()
+        if any(row["local"].endswith(f":{port}") for row in rows):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_api_flood_leaves_health_the_collector_and_the_hook_working(tmp_path: Path) -> None:
     stack = Stack(tmp_path)
+    watched = socket.create_server(("127.0.0.1", 0))
+    port = watched.getsockname()[1]
     try:
-        agent = stack.start_agent("--backend", "diag")
+        agent = stack.start_agent("--backend", "diag", port=port)
         pid = agent.popen.pid
         resource.prlimit(pid, resource.RLIMIT_NOFILE, (DESCRIPTOR_LIMIT, DESCRIPTOR_LIMIT))
         with idle_connections(stack.agent_port, FLOOD_CONNECTIONS, NOBODY_UID) as connected:
@@ -97,6 +110,11 @@ def test_api_flood_leaves_health_and_the_hook_working(tmp_path: Path) -> None:
                 stack.wait_engine_connected()
             finally:
                 hook.stop()
+            with socket.create_connection(("127.0.0.1", port)) as client:
+                accepted, _ = watched.accept()
+                assert _watched_socket_listed(stack, port)
+                accepted.close()
+                client.close()
             descriptors = _descriptors(pid)
         print(
             f"flood: {connected} connections held; agent descriptors {descriptors}; "
@@ -109,3 +127,4 @@ def test_api_flood_leaves_health_and_the_hook_working(tmp_path: Path) -> None:
         assert agent.log.stat().st_size < 20_000, agent.log.read_text()[-2000:]
     finally:
         stack.close()
+        watched.close()

@@ -124,8 +124,9 @@ def test_running_out_of_descriptors_pauses_accepting_and_logs_once(
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
-        listener, client = socket.socketpair()
+        listener = socket.create_server(("127.0.0.1", 0))  # nobody connects to it
         listener.setblocking(False)
+        client, peer = socket.socketpair()
         real_accept = loop.sock_accept
         calls = 0
 
@@ -145,6 +146,7 @@ def test_running_out_of_descriptors_pauses_accepting_and_logs_once(
         task.cancel()
         assert loop_task.exhausted_total == failures
         listener.close()
+        peer.close()
 
     with caplog.at_level(logging.WARNING, logger="kvwatch.daemon.accept"):
         run_async(scenario(), timeout_seconds=60)

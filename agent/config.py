@@ -37,6 +37,9 @@ Action = Literal["cancel", "reset"]
 Backend = Literal["auto", "core", "bcc", "diag"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 ENV_PREFIX = "KVWATCH_"
+# The most entries the kernel gives a BPF hash map: its bucket table (a power of two of
+# 16-byte buckets) must stay under 4 GiB (kernel/bpf/hashtab.c, htab_map_alloc).
+MAX_SOCKETS_LIMIT = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -370,7 +373,10 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
         "one of " + ", ".join(("auto", *SEND_MODES)),
     ),
     "collector.pid": (lambda v: v >= 0, ">= 0 (0 = every process)"),
-    "collector.max_sockets": (lambda v: v >= 1, ">= 1"),
+    "collector.max_sockets": (
+        lambda v: 1 <= v <= MAX_SOCKETS_LIMIT,
+        f"1..{MAX_SOCKETS_LIMIT} (the kernel's limit for a BPF hash map)",
+    ),
     "hook.socket": _ABSOLUTE,
     "hook.allowed_uids": (lambda v: all(uid >= 0 for uid in v), "a list of uids >= 0"),
     "http.listen": (_listen_ok, 'host:port with a port 0..65535 ("[::1]:9431" for IPv6)'),

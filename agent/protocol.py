@@ -6,7 +6,9 @@ daemon the server side; both use this codec. docs/protocol.md is the specificati
 
 Decoding is strict about what it knows (types, required fields, ranges) and lenient about what
 it does not (unknown extra fields are ignored so a newer peer can add fields). Anything that does
-not decode raises `ProtocolError`; callers count and drop such messages, never die of them.
+not decode raises `ProtocolError`: bytes that are not UTF-8, text that is not (a lone UTF-16
+surrogate written as an escape), JSON nested deeper than MAX_NESTING; callers count and drop such
+messages, never die of them. A message that decodes holds only text that encodes as UTF-8.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ class UnsupportedVersionError(ProtocolError):
 PROTOCOL_VERSION = 1
 MAX_LINE_BYTES = 64 * 1024
 MAX_ID_CHARS = 256
+# Arrays and objects inside arrays and objects: a message is an object (1) whose `evidence`
+# object (2) may hold small lists or objects (3, 4). Deeper lines are malformed.
+MAX_NESTING = 4
 CANCEL_STATUSES = ("cancelled", "unknown_request", "already_finished", "failed")
 
 Sender = Literal["engine", "agent"]
@@ -179,11 +184,11 @@ def _check_field(kind: str, name: str, expected: Any, value: Any) -> None:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
         wanted = "a non-negative integer"
     elif expected is str and name.endswith("_id"):
-        ok = isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
-        wanted = f"a non-empty string of at most {MAX_ID_CHARS} characters"
+        ok = isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and _is_text(value)
+        wanted = f"a non-empty string of at most {MAX_ID_CHARS} characters of Unicode text"
     elif expected is str:
-        ok = isinstance(value, str)
-        wanted = "a string"
+        ok = isinstance(value, str) and _is_text(value)
+        wanted = "a string of Unicode text (no lone surrogates)"
     elif expected is Endpoint:
         ok = isinstance(value, Endpoint)
         wanted = 'an "ip:port" string'
@@ -197,6 +202,15 @@ def _check_field(kind: str, name: str, expected: Any, value: Any) -> None:
         )
 
 
+def _is_text(value: str) -> bool:
+    """True when `value` encodes as UTF-8 (JSON's "\\ud800" decodes to a str that does not)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _preview(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -208,12 +222,16 @@ def encode(message: Message) -> bytes:
     for f in fields(message):
         value = getattr(message, f.name)
         body[f.name] = str(value) if isinstance(value, Endpoint) else value
+    problem = _shape_problem(body)
     try:
+        if problem is not None:
+            raise ValueError(problem)
         text = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ProtocolError(
             f"'{message.TYPE}' message cannot be encoded as JSON: {exc}",
-            "pass only JSON values (no NaN, no objects) in evidence",
+            "pass only JSON values (no NaN, no objects, no lone surrogates, at most "
+            f"{MAX_NESTING} levels of nesting) in evidence",
         ) from exc
     line = text.encode() + b"\n"
     if len(line) > MAX_LINE_BYTES:
@@ -249,13 +267,43 @@ def _reject_constant(name: str) -> None:
 def _parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError as exc:  # thousands of levels: the parser gives up before we look
+        raise ProtocolError(
+            f"message nests arrays or objects deeper than {MAX_NESTING} levels", _RECEIVED_HINT
+        ) from exc
     except ValueError as exc:  # also UnicodeDecodeError
         raise ProtocolError(f"message is not a line of UTF-8 JSON: {exc}", _RECEIVED_HINT) from exc
+    problem = _shape_problem(body)
+    if problem is not None:
+        raise ProtocolError(f"message {problem}", _RECEIVED_HINT)
     if not isinstance(body, dict):
         raise ProtocolError(
             f"message must be a JSON object, got {type(body).__name__}", _RECEIVED_HINT
         )
     return body
+
+
+def _shape_problem(body: Any) -> str | None:
+    """What makes decoded JSON unfit for a message (a string that is not UTF-8 text, nesting
+    deeper than MAX_NESTING), or None. Walks without recursion; a line is at most
+    MAX_LINE_BYTES, so the walk is bounded."""
+    pending: list[tuple[Any, int]] = [(body, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return f"holds a string that is not Unicode text: {_preview(value)}"
+            continue
+        if isinstance(value, dict):
+            items: list[Any] = [*value.keys(), *value.values()]
+        elif isinstance(value, list):
+            items = value
+        else:
+            continue
+        if depth > MAX_NESTING:
+            return f"nests arrays or objects deeper than {MAX_NESTING} levels"
+        pending.extend((item, depth + 1) for item in items)
+    return None
 
 
 def _message_class(body: dict[str, Any]) -> type[Message]:

@@ -29,6 +29,19 @@ def agent_metrics(daemon: Daemon) -> Iterator[Metric]:
         "Engines connected over the hook socket.",
         value=len(daemon.hooks.engines()),
     )
+    yield GaugeMetricFamily(
+        "kvwatch_hook_connections",
+        "Connections open on the hook socket, engines that said hello or not.",
+        value=daemon.hooks.connection_count(),
+    )
+    timelines = GaugeMetricFamily(
+        "kvwatch_agent_timelines",
+        "Stream timelines the agent keeps for explain, live and finished.",
+        labels=["state"],
+    )
+    timelines.add_metric(["live"], daemon.timelines.live_count())
+    timelines.add_metric(["finished"], daemon.timelines.finished_count())
+    yield timelines
     messages = CounterMetricFamily(
         "kvwatch_hook_events",
         "Engine-hook protocol events by kind (messages, drops, refusals, cancels).",

@@ -7,14 +7,17 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 
 import click
 
 from kvwatch.cli.options import collector_options
-from kvwatch.config import load_config, split_listen
-from kvwatch.daemon.api import api_server
+from kvwatch.config import load_config
+from kvwatch.daemon.api import build_app
+from kvwatch.daemon.api_server import ApiServer
 from kvwatch.daemon.core import Daemon
-from kvwatch.errors import KvwatchError
+from kvwatch.logrepeat import RepeatFilter
+from kvwatch.preflight import check_before_start, raise_descriptor_limit
 from kvwatch.sdnotify import Watchdog, notify
 
 log = logging.getLogger("kvwatch")
@@ -29,23 +32,16 @@ def one_malloc_arena() -> None:
         libc.mallopt(M_ARENA_MAX, 1)
 
 
-async def serve(daemon: Daemon) -> None:
-    """Runs the daemon and its HTTP API until SIGINT/SIGTERM."""
+async def serve(daemon: Daemon, listener: socket.socket) -> None:
+    """Runs the daemon and its HTTP API (on `listener`, bound) until SIGINT/SIGTERM."""
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, daemon.stop)
-    host, port = split_listen(daemon.config.http.listen)
-    server = api_server(daemon, host, port)
+    server = ApiServer(build_app(daemon), listener)
     try:
         await daemon.start()
-        api = asyncio.create_task(server.serve())
-        while not server.started:
-            if api.done():
-                raise KvwatchError(
-                    f"the HTTP API could not listen on {host}:{port}",
-                    "pick another address with --listen",
-                ) from api.exception()
-            await asyncio.sleep(0.01)
+        await server.start()
+        host, port = server.address
         log.info(
             "kvwatch agent ready: mode=%s, http://%s:%d, engine hook %s",
             daemon.config.policy.mode,
@@ -64,9 +60,8 @@ async def serve(daemon: Daemon) -> None:
         notify("STOPPING=1")
         if pinging is not None:
             pinging.cancel()
-        server.should_exit = True
-        await api
     finally:
+        await server.close()
         await daemon.close()
 
 
@@ -170,6 +165,8 @@ def command(
     )
     if verbose < 2:
         logging.getLogger("kvwatch.libbpf").setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RepeatFilter())
     overrides = {
         "policy.mode": mode,
         "policy.actions": actions or None,
@@ -192,5 +189,7 @@ def command(
     config = load_config(
         config_path, os.environ, {k: v for k, v in overrides.items() if v is not None}
     )
+    listener = check_before_start(config)
+    raise_descriptor_limit()
     one_malloc_arena()
-    asyncio.run(serve(Daemon(config)))
+    asyncio.run(serve(Daemon(config), listener))

@@ -3,24 +3,33 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse as StarletteJSONResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from kvwatch.collect import TableStatus, needed_sockets
 from kvwatch.daemon.core import Daemon
+from kvwatch.daemon.timeline import connection_id
 from kvwatch.exporters import agent_registry
 from kvwatch.sockets import Endpoint
 from kvwatch.views import socket_json
+
+
+class JSONResponse(StarletteJSONResponse):
+    """JSON that encodes whatever an engine sent: a string that is not Unicode text (a lone
+    surrogate) has those characters replaced by "?" instead of failing the request with 500."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8", "replace")
 
 
 def build_app(daemon: Daemon) -> Starlette:
@@ -62,12 +71,15 @@ def build_app(daemon: Daemon) -> Starlette:
                 status_code=404,
             )
         body = timeline.to_json()
-        if not timeline.closed:
+        body["live"] = not timeline.closed and any(
+            connection_id(s.local, s.remote) == timeline.connection for s in daemon.samples()
+        )
+        if body["live"]:
             view = next(
                 (
                     v
                     for v in daemon.stream_views()
-                    if (str(v.sample.local), str(v.sample.remote)) == timeline.connection
+                    if connection_id(v.sample.local, v.sample.remote) == timeline.connection
                 ),
                 None,
             )
@@ -117,22 +129,3 @@ def _endpoint_or_none(text: str) -> str | None:
     except ValueError:
         return None
 
-
-class ApiServer(uvicorn.Server):
-    """uvicorn without its signal handling: the daemon owns SIGINT/SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def api_server(daemon: Daemon, host: str, port: int) -> ApiServer:
-    config = uvicorn.Config(
-        build_app(daemon),
-        host=host,
-        port=port,
-        log_level="warning",
-        lifespan="off",
-        access_log=False,
-    )
-    return ApiServer(config)

@@ -163,8 +163,13 @@ class Daemon:
         assert self.opened is not None
         loop = asyncio.get_running_loop()
         samples = await loop.run_in_executor(self._collect, self.opened.collector.samples)
-        self._samples = {sample.key: sample for sample in samples}
+        previous, self._samples = self._samples, {sample.key: sample for sample in samples}
+        if self.bpf is None:  # sock_diag polling has no close events: a vanished socket closed
+            for key in previous.keys() - self._samples.keys():
+                self.watch.forget(key)
+                self.decider.forget(key)
         self._samples_ns = time.monotonic_ns()
+        self.timelines.sweep({connection_id(s.local, s.remote) for s in samples}, self._samples_ns)
         for sample in samples:
             if sample.zero_window or sample.sndbuf_full or sample.key in self._stalled_since:
                 self._observe(sample, self._samples_ns)

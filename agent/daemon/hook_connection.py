@@ -228,7 +228,14 @@ class EngineConnection:
             opened_ns=time.monotonic_ns(),
         )
         self._gone_by_cancel.pop(message.request_id, None)
-        self._registry.open(self.connection_id, stream)
+        if not self._registry.open(self.connection_id, stream):
+            _log.warning(
+                "engine %r (pid %d) announced more streams than the agent keeps; %r not "
+                "tracked (close finished requests, or run fewer streams per connection)",
+                hello.engine,
+                self.peer.pid,
+                message.request_id,
+            )
 
     def _update(self, message: Update) -> None:
         self._counters.add("updates")

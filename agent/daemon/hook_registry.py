@@ -9,10 +9,17 @@ from dataclasses import dataclass
 
 from kvwatch.sockets import Endpoint
 
+# Streams one connection may announce, and all connections together: what bounds the memory
+# an engine (or anything that says hello) can make the agent hold (docs/protocol.md, "Limits").
+DEFAULT_MAX_STREAMS_PER_CONNECTION = 16384
+DEFAULT_MAX_STREAMS = 65536
+
 COUNTER_NAMES = (
     "connections_accepted",
     "peers_refused",
     "connections_refused_busy",
+    "silent_connections_dropped",
+    "hello_timeouts",
     "disconnects",
     "hellos",
     "session_resets",
@@ -22,6 +29,7 @@ COUNTER_NAMES = (
     "before_hello_messages",
     "opens",
     "duplicate_opens",
+    "streams_refused",
     "updates",
     "closes",
     "unknown_request_events",
@@ -107,14 +115,23 @@ class StreamRegistry:
 
     Owned by the event loop; connections add and remove streams, the server reads them.
     Invariants: a request id has exactly one owner (the connection whose `open` came last); the
-    4-tuple index holds exactly the live streams; `on_change` is called once per change, with
-    the new stream or None when it is gone, and an exception it raises is counted and logged,
-    never propagated into a connection.
+    4-tuple index holds exactly the live streams; an owner holds at most `max_per_owner`
+    streams and all owners together at most `max_streams` (an `open` beyond is refused and
+    counted); `on_change` is called once per change, with the new stream or None when it is
+    gone, and an exception it raises is counted and logged, never propagated into a connection.
     """
 
-    def __init__(self, counters: HookCounters, on_change: ChangeCallback | None) -> None:
+    def __init__(
+        self,
+        counters: HookCounters,
+        on_change: ChangeCallback | None,
+        max_per_owner: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
+        max_streams: int = DEFAULT_MAX_STREAMS,
+    ) -> None:
         self._counters = counters
         self._on_change = on_change
+        self._max_per_owner = max_per_owner
+        self._max_streams = max_streams
         self._streams: dict[str, EngineStream] = {}
         self._owner: dict[str, int] = {}
         self._owned: dict[int, dict[str, None]] = {}
@@ -142,15 +159,23 @@ class StreamRegistry:
             return None
         return self._streams[next(reversed(request_ids))]
 
-    def open(self, owner: int, stream: EngineStream) -> None:
-        """Adds the stream; an open for a live request id replaces it (keeping `opened_ns`)."""
+    def open(self, owner: int, stream: EngineStream) -> bool:
+        """Adds the stream; an open for a live request id replaces it (keeping `opened_ns`).
+        False (counted in `streams_refused`) when a stream budget is full."""
         previous = self._streams.get(stream.request_id)
+        if previous is None and (
+            len(self._streams) >= self._max_streams
+            or self.owned_count(owner) >= self._max_per_owner
+        ):
+            self._counters.add("streams_refused")
+            return False
         if previous is not None:
             self._counters.add("duplicate_opens")
             self._unlink(stream.request_id, previous)
             stream = dataclasses.replace(stream, opened_ns=previous.opened_ns)
         self._link(owner, stream)
         self._notify(stream.request_id, stream)
+        return True
 
     def update(self, owner: int, request_id: str, kv_blocks: int, tokens_out: int) -> bool:
         """New numbers for a stream this owner announced; False when it owns no such stream."""

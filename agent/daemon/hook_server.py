@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import socket
+from collections import Counter
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvwatch import __version__
+from kvwatch.daemon.accept import AcceptLoop
 from kvwatch.daemon.hook_connection import EngineConnection, PeerCredentials
 from kvwatch.daemon.hook_registry import (
     ChangeCallback,
@@ -25,9 +30,33 @@ __all__ = ["EngineStream", "HookServer"]
 
 ROOT_UID = 0
 DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_HELLO_SECONDS = 5.0
+LISTEN_BACKLOG = 128
+# Connections being refused (an error line, then close) at once; more are closed unanswered.
+MAX_REFUSING = 32
 CLOSE_WAIT_SECONDS = 2.0
 
 _log = logging.getLogger("kvwatch.daemon.hook")
+
+
+@dataclass
+class _Admitted:
+    """An accepted connection the server serves: its socket, and its EngineConnection once
+    the streams around the socket exist."""
+
+    peer: PeerCredentials
+    sock: socket.socket
+    connection: EngineConnection | None = None
+
+    @property
+    def silent(self) -> bool:
+        """No hello yet: not an engine session, so it may be dropped to make room."""
+        return self.connection is None or self.connection.hello is None
+
+    def drop(self) -> None:
+        """Ends the connection whatever stage it is in: its reader sees end of stream."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
 
 class HookServer:
@@ -41,6 +70,11 @@ class HookServer:
     announced and have not closed; `on_change(request_id, stream or None)` is called on the
     event loop for every change, None when a stream is gone (close, cancel, session reset,
     disconnect, server close); nothing an engine sends raises out of the server.
+
+    Budgets (docs/protocol.md, "Limits"): at most `max_connections` connections, at most
+    `max_connections_per_uid` of them from one uid; a connection that has not said hello within
+    `hello_seconds` is closed, and one that has not said hello yet is closed to make room for a
+    new one when a budget is full (engines say hello at once, so only the silent lose).
     """
 
     def __init__(
@@ -50,6 +84,8 @@ class HookServer:
         *,
         on_change: ChangeCallback | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_connections_per_uid: int | None = None,
+        hello_seconds: float = DEFAULT_HELLO_SECONDS,
         agent_name: str = f"kvwatch {__version__}",
     ) -> None:
         for uid in allowed_uids:
@@ -62,43 +98,53 @@ class HookServer:
                 f"max_connections must be at least 1, got {max_connections}",
                 "allow at least one engine connection",
             )
+        if hello_seconds <= 0:
+            raise ConfigError(
+                f"hello_seconds must be positive, got {hello_seconds}", "pass seconds > 0"
+            )
         self.socket_path = socket_path
         self.allowed_uids = frozenset(allowed_uids) | {ROOT_UID}
         self._max_connections = max_connections
+        self._max_per_uid = max_connections_per_uid or max(1, max_connections // 2)
+        self._hello_seconds = hello_seconds
         self._agent_name = agent_name
         self._counters = HookCounters()
         self._registry = StreamRegistry(self._counters, on_change)
-        self._connections: dict[int, EngineConnection] = {}
+        self._admitted: dict[int, _Admitted] = {}
+        self._per_uid: Counter[int] = Counter()
+        self._refusing = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._connection_ids = itertools.count(1)
         self._correlation_ids = itertools.count(1)
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self._inode = 0
 
     async def start(self) -> None:
         """Binds the socket (mode 0660) and starts accepting; ConfigError/PrivilegeError if not."""
-        if self._server is not None:
+        if self._listener is not None:
             return
         sock, self._inode = await bind_listening_socket(self.socket_path)
-        try:
-            self._server = await asyncio.start_unix_server(self._accept, sock=sock)
-        except OSError:
-            sock.close()
-            remove_socket_file(self.socket_path, self._inode)
-            raise
+        sock.listen(LISTEN_BACKLOG)
+        self._listener = sock
+        accept = AcceptLoop("engine hook", sock, self._accepted, self._drop_oldest_silent)
+        self._accepting = asyncio.create_task(accept.run())
         _log.info("engine hook server listening on %s", self.socket_path)
 
     async def close(self) -> None:
         """Stops accepting, closes every connection (forgetting their streams), removes the file."""
-        server, self._server = self._server, None
-        if server is None:
+        listener, self._listener = self._listener, None
+        if listener is None:
             return
-        server.close()
-        for connection in list(self._connections.values()):
-            connection.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        listener.close()
+        for admitted in list(self._admitted.values()):
+            admitted.drop()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=CLOSE_WAIT_SECONDS)
-        await server.wait_closed()
         remove_socket_file(self.socket_path, self._inode)
 
     def streams(self) -> list[EngineStream]:
@@ -126,8 +172,9 @@ class HookServer:
                 "kv_blocks_total": hello.kv_blocks_total,
                 "streams": self._registry.owned_count(connection_id),
             }
-            for connection_id, connection in self._connections.items()
-            if (hello := connection.hello) is not None
+            for connection_id, admitted in self._admitted.items()
+            if (connection := admitted.connection) is not None
+            and (hello := connection.hello) is not None
         ]
 
     async def cancel(
@@ -147,7 +194,8 @@ class HookServer:
                 f"cancel timeout must be positive, got {timeout_seconds}", "pass seconds > 0"
             )
         owner = self._registry.owner_of(request_id)
-        connection = self._connections.get(owner) if owner is not None else None
+        admitted = self._admitted.get(owner) if owner is not None else None
+        connection = admitted.connection if admitted is not None else None
         if connection is None:
             self._counters.add("cancels_unknown_request")
             return CancelOutcome(
@@ -159,55 +207,123 @@ class HookServer:
         )
 
     def counters(self) -> dict[str, int]:
-        """Event counts since construction, plus the gauges `connections` and `live_streams`."""
-        return {
-            **self._counters.snapshot(),
-            "connections": len(self._connections),
-            "live_streams": len(self._registry),
-        }
+        """Event counts since construction (monotonic; the gauges are `connection_count` and
+        `len(streams())`)."""
+        return self._counters.snapshot()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
+    def connection_count(self) -> int:
+        """Engine connections open now, whether or not they said hello yet."""
+        return len(self._admitted)
+
+    def _accepted(self, sock: socket.socket) -> None:
+        """Admits or refuses a new connection at once (budgets count from accept on)."""
+        if self._listener is None:  # accepted just before close()
+            sock.close()
+            return
         try:
-            await self._serve(reader, writer)
+            peer = peer_credentials(sock)
+        except OSError as exc:
+            _log.debug("engine connection gone before its credentials were read: %s", exc)
+            sock.close()
+            return
+        connection_id = next(self._connection_ids)
+        refusal = self._refusal(peer)
+        if refusal is None:
+            self._counters.add("connections_accepted")
+            self._admitted[connection_id] = _Admitted(peer, sock)
+            self._per_uid[peer.uid] += 1
+        elif self._refusing >= MAX_REFUSING:
+            sock.close()  # a refusal flood: no error line for the rest
+            return
+        task = asyncio.create_task(self._run(connection_id, sock, peer, refusal))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(
+        self,
+        connection_id: int,
+        sock: socket.socket,
+        peer: PeerCredentials,
+        refusal: tuple[str, str] | None,
+    ) -> None:
+        self._refusing += refusal is not None
+        try:
+            connection = await self._wrap(connection_id, sock, peer)
+            if connection is None:
+                return
+            if refusal is not None:
+                await connection.refuse(*refusal)
+            else:
+                await self._serve(connection_id, connection)
         except Exception:  # a server bug must not end the daemon; the connection is lost
             self._counters.add("internal_errors")
             _log.exception("engine hook connection failed")
-            writer.transport.abort()
+            sock.close()
         finally:
-            if task is not None:
-                self._tasks.discard(task)
+            self._refusing -= refusal is not None
+            self._release(connection_id)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._server is None:  # accepted just before close()
-            writer.transport.abort()
-            return
+    async def _wrap(
+        self, connection_id: int, sock: socket.socket, peer: PeerCredentials
+    ) -> EngineConnection | None:
+        """The connection with asyncio streams around its socket; None if it is already gone."""
         try:
-            peer = peer_credentials(writer.get_extra_info("socket"))
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
         except OSError as exc:
-            _log.debug("engine connection gone before its credentials were read: %s", exc)
-            writer.transport.abort()
-            return
-        connection_id = next(self._connection_ids)
-        connection = EngineConnection(
+            _log.debug("engine connection %d lost before it was served: %s", connection_id, exc)
+            sock.close()
+            return None
+        return EngineConnection(
             connection_id, reader, writer, peer, self._registry, self._counters, self._agent_name
         )
-        refusal = self._refusal(peer)
-        if refusal is not None:
-            await connection.refuse(*refusal)
+
+    async def _serve(self, connection_id: int, connection: EngineConnection) -> None:
+        admitted = self._admitted.get(connection_id)
+        if admitted is None:  # dropped to make room before its streams existed
+            connection.close()
             return
-        self._counters.add("connections_accepted")
-        self._connections[connection_id] = connection
+        admitted.connection = connection
+        deadline = asyncio.get_running_loop().call_later(
+            self._hello_seconds, self._hello_deadline, connection_id
+        )
         try:
             await connection.serve()
         finally:
-            del self._connections[connection_id]  # in the step that forgot its streams
+            deadline.cancel()
+            self._release(connection_id)  # in the step that forgot its streams
         await connection.finish()
 
+    def _release(self, connection_id: int) -> None:
+        admitted = self._admitted.pop(connection_id, None)
+        if admitted is not None:
+            self._per_uid[admitted.peer.uid] -= 1
+            if not self._per_uid[admitted.peer.uid]:
+                del self._per_uid[admitted.peer.uid]
+
+    def _hello_deadline(self, connection_id: int) -> None:
+        admitted = self._admitted.get(connection_id)
+        if admitted is not None and admitted.silent:
+            self._counters.add("hello_timeouts")
+            _log.info(
+                "engine hook connection from pid %d said no hello within %g s; closed",
+                admitted.peer.pid,
+                self._hello_seconds,
+            )
+            admitted.drop()
+
+    def _drop_oldest_silent(self, uid: int | None = None) -> bool:
+        """Closes the oldest connection (of `uid`, if given) that said no hello; False if none."""
+        for connection_id, admitted in self._admitted.items():
+            if admitted.silent and uid in (None, admitted.peer.uid):
+                self._counters.add("silent_connections_dropped")
+                admitted.drop()
+                self._release(connection_id)
+                return True
+        return False
+
     def _refusal(self, peer: PeerCredentials) -> tuple[str, str] | None:
-        """(message, hint) when this peer may not connect, counted; None when it may."""
+        """(message, hint) when this peer may not connect, counted; None when it may.
+        A full budget first drops a connection that said no hello, to make room."""
         if peer.uid not in self.allowed_uids:
             self._counters.add("peers_refused")
             _log.warning("refused engine hook peer pid %d: uid %d not allowed", peer.pid, peer.uid)
@@ -216,7 +332,13 @@ class HookServer:
                 "run the engine as a uid on the agent's allow-list, or add "
                 f"{peer.uid} to the agent's allowed engine uids",
             )
-        if len(self._connections) >= self._max_connections:
+        if self._per_uid[peer.uid] >= self._max_per_uid and not self._drop_oldest_silent(peer.uid):
+            self._counters.add("connections_refused_busy")
+            return (
+                f"uid {peer.uid} already has {self._max_per_uid} engine connections",
+                "use one connection per engine process, or raise the agent's per-uid limit",
+            )
+        if len(self._admitted) >= self._max_connections and not self._drop_oldest_silent():
             self._counters.add("connections_refused_busy")
             return (
                 f"the agent already serves {self._max_connections} engine connections",

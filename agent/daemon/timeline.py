@@ -13,6 +13,13 @@ from kvwatch.sockets import Endpoint, SocketSample
 
 ConnectionId = tuple[str, str]
 ENTRIES_PER_STREAM = 128
+# Live timelines kept at most; past it the oldest is closed ("evicted"). An engine can announce
+# streams on connections the collector never sees, so this, not the socket table, bounds it.
+DEFAULT_MAX_LIVE = 32768
+# A live timeline whose socket the collector has not seen for this long is closed ("gone"):
+# what a close event would have said, for collectors that have none (sock_diag polling) and
+# for announced connections that never existed.
+UNSEEN_NS = 10_000_000_000
 # Messages about a connection can arrive just after its close (the cancel acknowledgement
 # comes after the engine reset the connection); they join the closed timeline.
 LATE_EVENTS_NS = 5_000_000_000
@@ -31,6 +38,7 @@ class Timeline:
     entries: list[dict[str, Any]] = field(default_factory=list)
     last_stream: dict[str, Any] | None = None
     closed_ns: int = 0
+    seen_ns: int = field(default_factory=time.monotonic_ns)
 
     @property
     def closed(self) -> bool:
@@ -57,11 +65,13 @@ class Timeline:
 
 class Timelines:
     """Live timelines by connection, finished ones by request (the newest `history_size`).
-    Owned by the daemon's event loop. Invariant: a connection has at most one live timeline;
-    only timelines of announced requests are kept after close."""
+    Owned by the daemon's event loop. Invariants: a connection has at most one live timeline;
+    at most `max_live` timelines are live; only timelines of announced requests are kept after
+    close; every table is bounded (by `max_live` or `history_size`)."""
 
-    def __init__(self, history_size: int) -> None:
+    def __init__(self, history_size: int, max_live: int = DEFAULT_MAX_LIVE) -> None:
         self.history_size = history_size
+        self.max_live = max_live
         self._live: dict[ConnectionId, Timeline] = {}
         self._by_request: dict[str, ConnectionId] = {}
         self._finished: OrderedDict[str, Timeline] = OrderedDict()
@@ -75,8 +85,24 @@ class Timelines:
         recent = self._just_closed.get(connection)
         if recent is not None and time.monotonic_ns() - recent.closed_ns < LATE_EVENTS_NS:
             return recent
+        if len(self._live) >= self.max_live:
+            oldest = next(iter(self._live))
+            self.close(oldest, time.monotonic_ns(), None, event="evicted")
         timeline = self._live[connection] = Timeline(connection)
         return timeline
+
+    def sweep(self, seen: set[ConnectionId], now_ns: int) -> int:
+        """Notes which live timelines' sockets the collector sees (`seen`, from a full scan)
+        and closes those unseen for UNSEEN_NS; returns how many it closed."""
+        gone = []
+        for connection, timeline in self._live.items():
+            if connection in seen:
+                timeline.seen_ns = now_ns
+            elif now_ns - timeline.seen_ns >= UNSEEN_NS:
+                gone.append(connection)
+        for connection in gone:
+            self.close(connection, now_ns, None, event="gone")
+        return len(gone)
 
     def note_socket(self, sample: SocketSample, ts_ns: int, event: str, **detail: Any) -> None:
         """A socket event; the first one also records accept and first bytes the kernel saw."""
@@ -94,15 +120,25 @@ class Timelines:
             return
         timeline = self.of(connection)
         if timeline.request_id != request_id:
+            if timeline.request_id is not None:  # the next request on a kept-alive connection
+                self._by_request.pop(timeline.request_id, None)
             timeline.request_id = request_id
             self._by_request[request_id] = connection
             timeline.add(ts_ns, "engine_announced", request_id=request_id)
 
-    def close(self, connection: ConnectionId, ts_ns: int, stream: dict[str, Any] | None) -> None:
+    def close(
+        self,
+        connection: ConnectionId,
+        ts_ns: int,
+        stream: dict[str, Any] | None,
+        event: str = "closed",
+    ) -> None:
+        """Ends a live timeline with `event`: "closed" (the kernel said so), "gone" (the
+        collector stopped seeing the socket) or "evicted" (too many live timelines)."""
         timeline = self._live.pop(connection, None)
         if timeline is None:
             return
-        timeline.add(ts_ns, "closed")
+        timeline.add(ts_ns, event)
         timeline.closed_ns = time.monotonic_ns()
         timeline.last_stream = stream or timeline.last_stream
         self._just_closed[connection] = timeline
@@ -137,6 +173,9 @@ class Timelines:
 
     def finished_count(self) -> int:
         return len(self._finished)
+
+    def live_count(self) -> int:
+        return len(self._live)
 
 
 def _has(timeline: Timeline, event: str) -> bool:

@@ -106,7 +106,7 @@ def test_stale_socket_is_replaced_but_live_socket_and_other_files_are_refused(
         async with running_server(socket_path) as (server, _):
             with pytest.raises(ConfigError, match="already listens"):
                 await HookServer(socket_path).start()
-            assert server.counters()["connections"] == 0  # the probe is not an engine
+            assert server.connection_count() == 0  # the probe is not an engine
             engine = await _raw_session(socket_path)  # the first server still serves
             await engine.close()
         with open(socket_path, "w") as regular:
@@ -189,7 +189,7 @@ def test_engine_disconnect_forgets_its_streams(socket_path: str) -> None:
             assert sorted(changes.removed()) == ["cmpl-a", "cmpl-b"]
             assert server.streams() == []
             assert server.engines() == []
-            assert server.counters()["live_streams"] == 0
+            assert "live_streams" not in server.counters()  # a gauge, not an event count
 
     run_async(scenario())
 
@@ -360,6 +360,27 @@ def test_malformed_and_oversized_lines_are_counted_and_the_connection_continues(
     run_async(scenario())
 
 
+def test_deep_nesting_and_lone_surrogates_are_malformed_and_the_connection_stays(
+    socket_path: str,
+) -> None:
+    async def scenario() -> None:
+        async with running_server(socket_path) as (server, _):
+            engine = await RawEngine.connect(socket_path)
+            surrogate_hello = encode(_hello()).replace(b'"engine":"raw"', b'"engine":"\\ud800"')
+            await engine.send(surrogate_hello)  # not a session: no welcome
+            await engine.send(_hello())
+            assert isinstance(await engine.receive(), Welcome)
+            await engine.send(b"[" * 30_000 + b"]" * 30_000 + b"\n")
+            await engine.send(_open("after-nesting", 50062))
+            await wait_until(lambda: len(server.streams()) == 1)
+            counters = server.counters()
+            assert (counters["malformed_messages"], counters["internal_errors"]) == (2, 0)
+            assert [e["engine"] for e in server.engines()] == ["raw"]
+            await engine.close()
+
+    run_async(scenario())
+
+
 def test_stream_messages_before_hello_are_dropped(socket_path: str) -> None:
     async def scenario() -> None:
         async with running_server(socket_path) as (server, _):
@@ -396,7 +417,7 @@ def test_unknown_version_hello_gets_an_error_and_is_closed(socket_path: str) -> 
             await engine.send(hello_v2, _open("still-up", 50080))
             await wait_until(lambda: len(server.streams()) == 1)
             assert server.counters()["version_mismatches"] == 2
-            assert server.counters()["connections"] == 1
+            assert server.connection_count() == 1
             await engine.close()
 
     run_async(scenario())
@@ -558,7 +579,7 @@ def test_an_engine_that_reads_nothing_never_blocks_the_agent(socket_path: str) -
             counters = server.counters()
             assert counters["send_overflows"] == 1
             assert counters["cancels_lost"] + counters["cancel_send_failures"] >= 1
-            await wait_until(lambda: server.counters()["connections"] == 0)
+            await wait_until(lambda: server.connection_count() == 0)
             assert server.streams() == []
             await engine.close()
 

@@ -139,6 +139,13 @@ def test_unknown_fields_are_ignored() -> None:
         (_line(**_open_body(remote="localhost:80")), "field 'remote' must be an \"ip:port\""),
         (_line(**_open_body(local=8000)), "field 'local' must be an \"ip:port\""),
         (b'{"v": 1, "type": "update", "request_id": "r", "kv_blocks": NaN}\n', "NaN"),
+        (_line(**_open_body(device="\ud800")), "not Unicode text"),
+        (_line(**_open_body(request_id="a\udfff")), "not Unicode text"),
+        (_line(**_open_body(extra={"\udc80": 1})), "not Unicode text"),
+        (b'{"v":1,"type":"close","request_id":"r","reason":"\xed\xa0\x80"}', "not Unicode text"),
+        (_line(**_open_body(extra=[[[[1]]]])), "deeper than 4 levels"),
+        (b"[" * 30_000 + b"]" * 30_000 + b"\n", "deeper than 4 levels"),
+        (b'{"a":' * 10_000 + b"1" + b"}" * 10_000 + b"\n", "deeper than 4 levels"),
     ],
 )
 def test_malformed_lines_raise_a_helpful_protocol_error(line: bytes, expected: str) -> None:
@@ -146,6 +153,11 @@ def test_malformed_lines_raise_a_helpful_protocol_error(line: bytes, expected: s
         decode(line)
     assert expected in str(caught.value)
     assert caught.value.hint
+
+
+def test_nesting_up_to_the_limit_is_accepted() -> None:
+    message = decode(_line(**_open_body(extra=[[1, {"k": "v"}]])))
+    assert isinstance(message, Open)
 
 
 def test_unknown_version_says_what_to_do() -> None:

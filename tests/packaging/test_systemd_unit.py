@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvwatch.config import load_config
+from kvwatch.daemon import api_server, hook_server
 from tests.packaging.conftest import AGENT_CAPABILITIES, PACKAGING, require_tool
 
 UNIT = PACKAGING / "systemd" / "kvwatch.service"
@@ -89,6 +90,14 @@ def test_service_type_watchdog_restart_and_exec(settings: dict[str, list[str]]) 
     assert settings["Service.Restart"] == ["on-failure"]
     assert settings["Service.ExecStart"] == [f"{EXEC_PATH} run --config /etc/kvwatch/kvwatch.toml"]
     assert settings["Install.WantedBy"] == ["multi-user.target"]
+
+
+def test_descriptor_limit_leaves_room_beyond_the_connection_budgets(
+    settings: dict[str, list[str]],
+) -> None:
+    (limit,) = settings["Service.LimitNOFILE"]
+    budgets = hook_server.DEFAULT_MAX_CONNECTIONS + api_server.DEFAULT_MAX_CONNECTIONS
+    assert int(limit) >= 64 * budgets
 
 
 def test_capabilities_are_exactly_the_documented_set(settings: dict[str, list[str]]) -> None:

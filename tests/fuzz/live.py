@@ -1,0 +1,122 @@
+"""A live HookServer on its own event-loop thread, fed whole connections' worth of bytes, and
+what its counters must say afterwards (the expectation is computed with the codec itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections import Counter
+from collections.abc import Coroutine, Iterable
+from typing import Any, TypeVar
+
+from kvwatch.daemon.hook_server import HookServer
+from kvwatch.errors import ProtocolError
+from kvwatch.protocol import (
+    Cancelled,
+    Close,
+    Hello,
+    LineFramer,
+    Open,
+    UnsupportedVersionError,
+    Update,
+)
+
+# One of these counts goes up for every non-empty line the server reads.
+PER_LINE_COUNTERS = (
+    "malformed_messages",
+    "hellos",
+    "before_hello_messages",
+    "opens",
+    "updates",
+    "closes",
+    "unmatched_cancel_answers",
+)
+SESSION_SECONDS = 30.0
+_T = TypeVar("_T")
+
+
+def expected_counts(chunks: Iterable[bytes]) -> Counter[str]:
+    """What one connection sending `chunks` (then closing) adds to PER_LINE_COUNTERS."""
+    framer = LineFramer(sender="engine")
+    counts: Counter[str] = Counter()
+    said_hello = False
+    for chunk in chunks:
+        for item in framer.feed(chunk):
+            if isinstance(item, ProtocolError):
+                counts["malformed_messages"] += 1
+                if isinstance(item, UnsupportedVersionError) and not said_hello:
+                    return counts  # refused: the server reads no further
+            elif isinstance(item, Hello):
+                counts["hellos"] += 1
+                said_hello = True
+            elif not said_hello:
+                counts["before_hello_messages"] += 1
+            else:
+                kind = {Open: "opens", Update: "updates", Close: "closes"}.get(type(item))
+                assert kind is not None or isinstance(item, Cancelled), item
+                counts[kind or "unmatched_cancel_answers"] += 1
+    return counts
+
+
+class LiveServer:
+    """Owns a thread running an event loop with a started HookServer on `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server = HookServer(path, allowed_uids=(0,))
+        self.call(self.server.start())
+
+    def call(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(SESSION_SECONDS)
+
+    def counters(self) -> dict[str, int]:
+        async def read() -> dict[str, int]:
+            return self.server.counters()
+
+        return self.call(read())
+
+    def held(self) -> tuple[int, int]:
+        """(connections, live streams) the server holds now."""
+
+        async def read() -> tuple[int, int]:
+            return self.server.connection_count(), len(self.server.streams())
+
+        return self.call(read())
+
+    def session(self, chunks: Iterable[bytes]) -> None:
+        """Connects, writes each chunk, closes its sending side, reads until the server closes."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(SESSION_SECONDS)
+            sock.connect(self.path)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                for chunk in chunks:
+                    sock.sendall(chunk)
+                sock.shutdown(socket.SHUT_WR)
+            with contextlib.suppress(ConnectionResetError):
+                while sock.recv(65536):
+                    pass
+
+    def check_session(self, chunks: list[bytes]) -> Counter[str]:
+        """Runs a session and asserts the counters moved exactly as the codec says they must
+        and that nothing is left held; returns the expected counts."""
+        before = self.counters()
+        self.session(chunks)
+        expected = expected_counts(chunks)
+        after = self.counters()
+        moved = {name: after[name] - before[name] for name in PER_LINE_COUNTERS}
+        assert moved == {name: expected[name] for name in PER_LINE_COUNTERS}, (moved, expected)
+        assert after["internal_errors"] == 0
+        assert after["disconnects"] - before["disconnects"] == 1
+        assert self.held() == (0, 0)
+        return expected
+
+    def close(self) -> None:
+        self.call(self.server.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

@@ -120,10 +120,10 @@ class StallJudgement:
     it is due `required_ns` after `since_ns` at the latest. `proof` says how the kernel has
     shown it ("" while it has not): "answer", a segment from the peer after `drained_ns` and
     still no ACK progress; or "silence", no answer to the two probes sent after the peer's
-    newest segment (it is gone, not slow; this can come before `required_ns`). `basis` names the
-    pressure: "zero_window", or "sndbuf_full" (a window too small for a segment, or no ACK
-    at all). `recheck_ns` is when the
-    verdict can next change without a new observation (0: only a new observation changes it).
+    newest segment (it is gone, not slow; this can come before `required_ns`). `basis`
+    names the pressure: "zero_window", or "sndbuf_full" (a window too small for a segment,
+    or no ACK at all). `recheck_ns` is when the verdict can next change without a new
+    observation (0: only a new observation changes it).
     """
 
     since_ns: int
@@ -139,10 +139,6 @@ class StallJudgement:
     def on_the_way(self) -> bool:
         return self.since_ns != 0
 
-    @property
-    def deadline_ns(self) -> int:
-        return self.since_ns + self.required_ns if self.since_ns else 0
-
     def stalled_seconds(self, now_ns: int) -> float:
         return max(0.0, (now_ns - self.since_ns) / NS_PER_SECOND) if self.since_ns else 0.0
 
@@ -150,17 +146,14 @@ class StallJudgement:
         """What the verdict rests on, for `sockets --json`, the audit log and `explain`."""
         if not self.since_ns:
             return {"basis": self.basis}
-        fields: dict[str, Any] = {
+        return {
             "basis": self.basis,
             "stall_seconds": policy.stall_seconds,
             "proof": self.proof or None,
+            "min_reader_bytes_per_second": policy.min_reader_bytes_per_second,
+            "peer_buffer_bytes": self.buffer_bytes,
+            "drain_seconds": round(self.buffer_bytes / policy.min_reader_bytes_per_second, 3),
         }
-        fields.update(
-            min_reader_bytes_per_second=policy.min_reader_bytes_per_second,
-            peer_buffer_bytes=self.buffer_bytes,
-            drain_seconds=round(self.buffer_bytes / policy.min_reader_bytes_per_second, 3),
-        )
-        return fields
 
 
 NOT_STALLING = StallJudgement(0, 0, False, "", 0, "none")

@@ -12,7 +12,7 @@ from rich.text import Text
 from kvwatch.cli.options import state_filter_option
 from kvwatch.client import DEFAULT_AGENT_URL, get_json
 from kvwatch.states import StreamState
-from kvwatch.views import STATE_STYLES, human_bytes
+from kvwatch.views import STATE_STYLES, kv_text
 
 
 @click.command("streams")
@@ -23,7 +23,8 @@ from kvwatch.views import STATE_STYLES, human_bytes
     "as_json",
     is_flag=True,
     help="Print the JSON contract: the `sockets` fields plus request_id, engine, "
-    "engine_pid, kv_blocks, kv_bytes, gpu.",
+    "engine_pid, kv_blocks, kv_bytes (kv_estimated: true when the engine hook "
+    "estimated it), gpu.",
 )
 def command(url: str, states: tuple[str, ...], as_json: bool) -> None:
     """List the streams the agent sees, with the engine request and KV behind each."""
@@ -36,12 +37,11 @@ def command(url: str, states: tuple[str, ...], as_json: bool) -> None:
         table.add_column(header, no_wrap=True)
     for row in rows:
         state = StreamState(row["state"])
-        kv = human_bytes(row["kv_bytes"]) if row["kv_bytes"] is not None else "-"
         table.add_row(
             row["request_id"] or "-",
             row["remote"],
             Text(state.value, style=STATE_STYLES[state]),
-            kv,
+            kv_text(row),
             f"{row['no_progress_seconds']:.1f}s",
         )
     Console().print(table)

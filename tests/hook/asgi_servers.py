@@ -1,0 +1,170 @@
+"""Real ASGI servers for the middleware tests: a Starlette SSE app under uvicorn or hypercorn,
+each in its own thread and event loop on a free loopback port, and raw-socket clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from kvwatch.stack import free_port
+
+EVENT_PADDING = "x" * 900  # about a kilobyte an event: a stalled client's buffers fill fast
+START_SECONDS = 10.0
+
+
+class SseApp:
+    """`POST /v1/completions` streams `max_tokens` OpenAI-style chunks, one every `pause`
+    seconds; `outcomes` records how each request's generator ended (finished, disconnected)."""
+
+    def __init__(self, pause: float = 0.002) -> None:
+        self.pause = pause
+        self.outcomes: dict[str, str] = {}
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/health", self._health),
+            ]
+        )
+
+    async def _health(self, request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    async def _completions(self, request: Request) -> StreamingResponse:
+        body = await request.json()
+        request_id = f"cmpl-{body.get('tag', 'x')}"
+        count = int(body.get("max_tokens", 16))
+        return StreamingResponse(self._events(request_id, count), media_type="text/event-stream")
+
+    async def _events(self, request_id: str, count: int) -> AsyncIterator[str]:
+        self.outcomes[request_id] = "running"
+        try:
+            for index in range(count):
+                chunk = {
+                    "id": request_id,
+                    "choices": [{"text": f" t{index}"}],
+                    "pad": EVENT_PADDING,
+                }
+                yield f"data: {json.dumps(chunk)}\n\n"
+                await asyncio.sleep(self.pause)
+            yield "data: [DONE]\n\n"
+            self.outcomes[request_id] = "finished"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.outcomes[request_id] = "disconnected"
+            raise
+
+
+class ServerThread:
+    """One ASGI server on 127.0.0.1:`port` in a daemon thread; `stop` ends it."""
+
+    def __init__(self, kind: str, app: Any, *, proxy_headers: bool = False) -> None:
+        self.kind = kind
+        self.port = free_port()
+        self._app = app
+        self._proxy_headers = proxy_headers
+        self._loop = asyncio.new_event_loop()
+        self._shutdown = asyncio.Event()
+        self._uvicorn: uvicorn.Server | None = None
+        self._thread = threading.Thread(target=self._run, name=f"test-{kind}", daemon=True)
+        self._thread.start()
+        wait_listening(self.port)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._serve())
+
+    async def _serve(self) -> None:
+        if self.kind == "uvicorn":
+            config = uvicorn.Config(
+                self._app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                proxy_headers=self._proxy_headers,
+                forwarded_allow_ips="*",
+                lifespan="off",
+            )
+            self._uvicorn = uvicorn.Server(config)
+            await self._uvicorn.serve()
+        else:
+            hypercorn_config = HypercornConfig()
+            hypercorn_config.bind = [f"127.0.0.1:{self.port}"]
+            hypercorn_config.loglevel = "WARNING"
+            await hypercorn_serve(self._app, hypercorn_config, shutdown_trigger=self._shutdown.wait)
+
+    def stop(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        self._loop.call_soon_threadsafe(self._shutdown.set)
+        self._thread.join(START_SECONDS)
+
+
+@contextmanager
+def serving(kind: str, app: Any, **options: bool) -> Iterator[ServerThread]:
+    server = ServerThread(kind, app, **options)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def wait_listening(port: int) -> None:
+    deadline = time.monotonic() + START_SECONDS
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def completion_request(
+    port: int, tag: str, max_tokens: int, headers: dict[str, str] | None = None
+) -> bytes:
+    body = json.dumps({"tag": tag, "max_tokens": max_tokens}).encode()
+    lines = [
+        "POST /v1/completions HTTP/1.1",
+        f"Host: 127.0.0.1:{port}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *(f"{name}: {value}" for name, value in (headers or {}).items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def open_client(port: int, request: bytes, *, rcvbuf: int | None = None) -> socket.socket:
+    """A raw client that sent `request`; with `rcvbuf`, a small receive buffer (stall it by
+    never reading)."""
+    client = socket.socket()
+    if rcvbuf is not None:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    client.connect(("127.0.0.1", port))
+    client.sendall(request)
+    return client
+
+
+def read_all(client: socket.socket, timeout: float = 20.0) -> bytes:
+    """Everything until the server ends the response (chunked terminator) or the socket."""
+    client.settimeout(timeout)
+    data = bytearray()
+    while not data.endswith(b"0\r\n\r\n"):
+        chunk = client.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)

@@ -32,3 +32,14 @@ VENV=${VENV:-.venv}
 # The CPU build of torch first: a bare torch requirement would pull a multi-GB CUDA build.
 "$VENV/bin/pip" install -q "torch==2.13.0"
 "$VENV/bin/pip" install -q -e ".[engine,dev]"
+
+# llama-cpp-python's server, built from its sdist for the CPU (the ASGI middleware's end-to-end
+# test runs it). Only what the Python binding needs is compiled: about 5 minutes on 2 cores.
+LLAMA_CPP_PYTHON_VERSION=0.3.16
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama_cpp_python') != '$LLAMA_CPP_PYTHON_VERSION')" 2>/dev/null; then
+  echo "setup: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION (CPU)"
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF \
+-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF" \
+  CMAKE_BUILD_PARALLEL_LEVEL=2 \
+    "$VENV/bin/pip" install -q "llama-cpp-python[server]==$LLAMA_CPP_PYTHON_VERSION"
+fi

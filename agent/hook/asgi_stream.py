@@ -80,6 +80,7 @@ class RequestStream:
         self.opened = False
         self._streaming = False
         self._head = b""
+        self._kept: Message | None = None
         self._body_bytes = 0
         self.tokens_out = 0
         self.bytes_out = 0
@@ -94,18 +95,31 @@ class RequestStream:
         return self._geometry.blocks_for(prompt_tokens(self._body_bytes) + self.tokens_out)
 
     async def receive(self, receive: Receive) -> Message:
+        """The server's next message, or `http.disconnect` once cancelled. A caller that gives
+        up waiting (Starlette's `is_disconnected` polls with a cancelled scope) loses nothing:
+        the server's receive is cancelled with it, or its message is kept for the next call."""
+        if self._kept is not None:
+            message, self._kept = self._kept, None
+            return self._counted(message)
         if self.cancelled.is_set():
             return DISCONNECT
         inner = asyncio.ensure_future(receive())
         cancel = asyncio.ensure_future(self.cancelled.wait())
         try:
             await asyncio.wait((inner, cancel), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            if inner.done() and not inner.cancelled() and inner.exception() is None:
+                self._kept = inner.result()
+            raise
         finally:
             cancel.cancel()
-        if not inner.done():
-            inner.cancel()
+            if not inner.done():
+                inner.cancel()
+        if inner.cancelled() or not inner.done():
             return DISCONNECT
-        message = inner.result()
+        return self._counted(inner.result())
+
+    def _counted(self, message: Message) -> Message:
         if message.get("type") == "http.request":
             self._body_bytes += len(message.get("body", b""))
         return message

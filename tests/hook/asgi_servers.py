@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from kvwatch.stack import free_port
 
-EVENT_PADDING = "x" * 900  # about a kilobyte an event: a stalled client's buffers fill fast
+EVENT_PADDING_BYTES = 900  # about a kilobyte an event: a stalled client's buffers fill fast
 START_SECONDS = 10.0
 
 
@@ -47,16 +47,18 @@ class SseApp:
         body = await request.json()
         request_id = f"cmpl-{body.get('tag', 'x')}"
         count = int(body.get("max_tokens", 16))
-        return StreamingResponse(self._events(request_id, count), media_type="text/event-stream")
+        padding = "x" * int(body.get("pad", EVENT_PADDING_BYTES))
+        events = self._events(request_id, count, padding)
+        return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(self, request_id: str, count: int) -> AsyncIterator[str]:
+    async def _events(self, request_id: str, count: int, padding: str) -> AsyncIterator[str]:
         self.outcomes[request_id] = "running"
         try:
             for index in range(count):
                 chunk = {
                     "id": request_id,
                     "choices": [{"text": f" t{index}"}],
-                    "pad": EVENT_PADDING,
+                    "pad": padding,
                 }
                 yield f"data: {json.dumps(chunk)}\n\n"
                 await asyncio.sleep(self.pause)
@@ -134,9 +136,13 @@ def wait_listening(port: int) -> None:
 
 
 def completion_request(
-    port: int, tag: str, max_tokens: int, headers: dict[str, str] | None = None
+    port: int,
+    tag: str,
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
+    pad: int = EVENT_PADDING_BYTES,
 ) -> bytes:
-    body = json.dumps({"tag": tag, "max_tokens": max_tokens}).encode()
+    body = json.dumps({"tag": tag, "max_tokens": max_tokens, "pad": pad}).encode()
     lines = [
         "POST /v1/completions HTTP/1.1",
         f"Host: 127.0.0.1:{port}",

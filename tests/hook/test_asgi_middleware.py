@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +22,7 @@ from tests.hook.asgi_servers import (
     read_all,
     serving,
 )
-from tests.hook.hook_agent import AgentServer
+from tests.hook.hook_agent import AgentServer, wait_until
 
 AgentFactory = Callable[..., AgentServer]
 SERVERS = ("uvicorn", "hypercorn")
@@ -182,3 +183,114 @@ def test_the_middleware_imports_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def _sse_data(raw: bytes) -> list[bytes]:
+    return [line for line in raw.split(b"\n") if line.startswith(b"data:")]
+
+
+def _stream_once(port: int, tag: str, tokens: int) -> list[bytes]:
+    client = open_client(port, completion_request(port, tag, tokens))
+    try:
+        return _sse_data(read_all(client))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("kind", SERVERS)
+@pytest.mark.parametrize("agent_kind", ["absent", "not_reading", "garbage"])
+def test_the_app_serves_as_without_kvwatch_whatever_the_agent_does(
+    kind: str,
+    agent_kind: str,
+    socket_path: str,
+    agent_factory: AgentFactory,
+    middlewares: Callable[..., Middleware],
+) -> None:
+    if agent_kind != "absent":
+        agent = agent_factory(reading=agent_kind != "not_reading")
+    app = SseApp(pause=0)
+    with serving(kind, app.app) as bare:
+        expected = _stream_once(bare.port, "same", 200)
+    middleware = middlewares(app, socket_path)
+    with serving(kind, middleware) as server:
+        if agent_kind == "garbage":
+            assert middleware.hook is None  # started by the first request
+            _stream_once(server.port, "first", 1)
+            agent.send(b"\xff\xfe not json\n{}\n" + b"x" * 70_000 + b"\n")
+            agent.send(Cancel(request_id="nobody", reason="stalled", correlation_id="g-1"))
+        started = time.monotonic()
+        got = [_stream_once(server.port, "same", 200) for _ in range(5)]
+        elapsed = time.monotonic() - started
+    assert all(body == expected for body in got)
+    assert elapsed < 10, f"5 streams took {elapsed:.1f} s"
+    assert middleware.hook is not None
+    counters = middleware.hook.counters()
+    if agent_kind == "absent":
+        assert counters["connect_failures"] >= 1 and counters["sent"] == 0
+    if agent_kind == "garbage":
+        assert counters["malformed_received"] >= 2
+        assert _answer(agent, "g-1").status == "unknown_request"
+
+
+@pytest.mark.parametrize("kind", SERVERS)
+def test_decoupled_egress_lets_the_app_finish_before_a_slow_client_reads(
+    kind: str, socket_path: str, agent_factory: AgentFactory, middlewares: Callable[..., Middleware]
+) -> None:
+    agent = agent_factory()
+    app = SseApp(pause=0)
+    middleware = middlewares(app, socket_path, egress_buffer_bytes=16 << 20)
+    with serving(kind, middleware) as server:
+        # 6 MB of events: more than the kernel's socket buffers take (4 MB at most).
+        client = open_client(
+            server.port, completion_request(server.port, "late", 6000), rcvbuf=STALL_RCVBUF
+        )
+        wait_until(lambda: app.outcomes.get("cmpl-late") == "finished")  # nobody read yet
+        updates = agent.wait_for(
+            lambda ms: any(getattr(m, "kv_blocks", 1) == 0 for m in _of(ms, Update))
+        )
+        body = read_all(client)  # the client catches up from the buffer
+        client.close()
+        assert _closed(agent, "cmpl-late").reason == "finished"
+    assert len(_sse_data(body)) == 6001
+    assert not any(u.egress_buffer_full for u in _of(updates, Update))  # type: ignore[attr-defined]
+    budget = middleware.egress_budget
+    assert budget is not None and budget.buffered_bytes == 0
+    assert 0 < budget.peak_bytes <= 16 << 20
+
+
+@pytest.mark.parametrize("kind", SERVERS)
+def test_a_full_egress_buffer_holds_the_app_reports_the_stream_and_stays_bounded(
+    kind: str, socket_path: str, agent_factory: AgentFactory, middlewares: Callable[..., Middleware]
+) -> None:
+    agent = agent_factory()
+    app = SseApp(pause=0)
+    per_stream, total, pad = 256 * 1024, 384 * 1024, 16 * 1024
+    middleware = middlewares(
+        app, socket_path, egress_buffer_bytes=per_stream, egress_total_bytes=total
+    )
+    with serving(kind, middleware) as server:
+        clients = [
+            open_client(
+                server.port,
+                completion_request(server.port, f"s{i}", 100_000, pad=pad),
+                rcvbuf=STALL_RCVBUF,
+            )
+            for i in range(3)
+        ]
+        agent.wait_for(lambda ms: all(_reported_full(ms, f"cmpl-s{i}") for i in range(3)), 15)
+        budget = middleware.egress_budget
+        assert budget is not None
+        event_bytes = pad + 200  # one SSE event of the test app, an upper bound
+        assert budget.peak_bytes <= total + 3 * event_bytes
+        assert all(app.outcomes[f"cmpl-s{i}"] == "running" for i in range(3))
+        agent.send(Cancel(request_id="cmpl-s0", reason="stalled", correlation_id="c-9"))
+        assert _answer(agent, "c-9").status == "cancelled"
+        for client in clients:
+            client.close()
+
+
+def _reported_full(messages: list[Message], request_id: str) -> bool:
+    return any(
+        isinstance(m, Update) and m.request_id == request_id and m.egress_buffer_full
+        for m in messages
+    )

@@ -70,13 +70,17 @@ class SseApp:
 
 
 class ServerThread:
-    """One ASGI server on 127.0.0.1:`port` in a daemon thread; `stop` ends it."""
+    """One ASGI server on 127.0.0.1:`port` in a daemon thread; `stop` ends it. With
+    `sndbuf` (uvicorn only), every connection gets that fixed send buffer (no autotuning)."""
 
-    def __init__(self, kind: str, app: Any, *, proxy_headers: bool = False) -> None:
+    def __init__(
+        self, kind: str, app: Any, *, proxy_headers: bool = False, sndbuf: int | None = None
+    ) -> None:
         self.kind = kind
         self.port = free_port()
         self._app = app
         self._proxy_headers = proxy_headers
+        self._sndbuf = sndbuf
         self._loop = asyncio.new_event_loop()
         self._shutdown = asyncio.Event()
         self._uvicorn: uvicorn.Server | None = None
@@ -100,12 +104,20 @@ class ServerThread:
                 lifespan="off",
             )
             self._uvicorn = uvicorn.Server(config)
-            await self._uvicorn.serve()
+            await self._uvicorn.serve(sockets=[self._listener()] if self._sndbuf else None)
         else:
             hypercorn_config = HypercornConfig()
             hypercorn_config.bind = [f"127.0.0.1:{self.port}"]
             hypercorn_config.loglevel = "WARNING"
             await hypercorn_serve(self._app, hypercorn_config, shutdown_trigger=self._shutdown.wait)
+
+    def _listener(self) -> socket.socket:
+        """A listening socket whose accepted connections inherit its send buffer size."""
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf or 0)
+        listener.bind(("127.0.0.1", self.port))
+        return listener
 
     def stop(self) -> None:
         if self._uvicorn is not None:
@@ -115,7 +127,7 @@ class ServerThread:
 
 
 @contextmanager
-def serving(kind: str, app: Any, **options: bool) -> Iterator[ServerThread]:
+def serving(kind: str, app: Any, **options: Any) -> Iterator[ServerThread]:
     server = ServerThread(kind, app, **options)
     try:
         yield server

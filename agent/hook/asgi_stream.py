@@ -21,6 +21,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 FIRST_EVENT_SCAN_BYTES = 64 * 1024
 DISCONNECT: Message = {"type": "http.disconnect"}
+DISCONNECT_GRACE_SECONDS = 0.5
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -56,7 +57,7 @@ class RequestStream:
 
     Invariants: the stream is announced (`open`) at most once, at its first SSE body bytes,
     and closed exactly once after that; once cancelled, `receive` returns `http.disconnect` and
-    `send` raises OSError, so the app unwinds through its own disconnect path (vLLM's
+    `send` raises OSError after a short grace, so the app unwinds through its own disconnect path (vLLM's
     generator cancellation aborts the engine request; llama-cpp-python releases its lock).
     """
 
@@ -131,7 +132,7 @@ class RequestStream:
         egress: tuple[int, EgressBudget] | None,
     ) -> None:
         if self.cancelled.is_set():
-            raise OSError("the request was cancelled by kvwatch")
+            await _refuse_after_grace()
         kind = message.get("type")
         if kind == "http.response.start":
             self._streaming = _is_event_stream(message)
@@ -140,17 +141,14 @@ class RequestStream:
                 self.buffer = EgressBuffer(send, cap_bytes, budget, self._report_full)
         elif kind == "http.response.body" and self._streaming:
             self._count(bytes(message.get("body", b"")), bool(message.get("more_body", False)))
-        if self.buffer is not None:
-            await self._until_cancelled(self.buffer.put(message))
-        else:
-            await self._until_cancelled(send(message))
+        put = self.buffer.put(message) if self.buffer is not None else send(message)
+        if not await self._until_cancelled(put):
+            await _refuse_after_grace()
 
     async def drain(self) -> None:
         """Waits until the buffered response is sent; a cancel meanwhile drops it and resets."""
         assert self.buffer is not None, "only buffered responses drain"
-        try:
-            await self._until_cancelled(self.buffer.finish())
-        except OSError:
+        if not await self._until_cancelled(self.buffer.finish()):
             self.buffer.close("cancelled by kvwatch")
             if self.connection is not None:
                 self.connection.reset()
@@ -170,8 +168,9 @@ class RequestStream:
         freed = blocks * self._geometry.bytes_per_block
         return CancelOutcome(request_id, "cancelled", blocks, freed, f"{reason}; KV estimated")
 
-    async def _until_cancelled(self, awaitable: Awaitable[None]) -> None:
-        """Awaits `awaitable`; raises OSError if the request is cancelled first."""
+    async def _until_cancelled(self, awaitable: Awaitable[None]) -> bool:
+        """Awaits `awaitable`; False (and `awaitable` cancelled) if the request is cancelled
+        first."""
         inner = asyncio.ensure_future(awaitable)
         cancel = asyncio.ensure_future(self.cancelled.wait())
         try:
@@ -181,8 +180,9 @@ class RequestStream:
             if not inner.done():
                 inner.cancel()
         if not inner.done() or inner.cancelled():
-            raise OSError("the request was cancelled by kvwatch")
+            return False
         inner.result()
+        return True
 
     def _count(self, body: bytes, more_body: bool) -> None:
         self.bytes_out += len(body)
@@ -222,6 +222,15 @@ class RequestStream:
 
     def _report_full(self, full: bool) -> None:
         self.report()
+
+
+async def _refuse_after_grace() -> None:
+    """How a cancelled request's `send` ends: first a grace period in which an app that
+    listens for `http.disconnect` (Starlette under ASGI < 2.4, sse-starlette, vLLM, SGLang)
+    cancels its own send and runs its disconnect path, then OSError (ASGI 2.4's signal that
+    the client is gone) for apps that do not listen."""
+    await asyncio.sleep(DISCONNECT_GRACE_SECONDS)
+    raise OSError("the request was cancelled by kvwatch")
 
 
 def _is_event_stream(message: Message) -> bool:

@@ -56,9 +56,10 @@ class RequestStream:
     `cancel_from_thread`, which the hook's cancel worker calls.
 
     Invariants: the stream is announced (`open`) at most once, at its first SSE body bytes,
-    and closed exactly once after that; once cancelled, `receive` returns `http.disconnect` and
-    `send` raises OSError after a short grace, so the app unwinds through its own disconnect path (vLLM's
-    generator cancellation aborts the engine request; llama-cpp-python releases its lock).
+    and closed exactly once after that; once cancelled, `receive` returns `http.disconnect`
+    and `send` raises OSError after a short grace, so the app unwinds through its own
+    disconnect path (vLLM's generator cancellation aborts the engine request;
+    llama-cpp-python releases its lock).
     """
 
     def __init__(

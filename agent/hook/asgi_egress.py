@@ -64,6 +64,7 @@ class EgressBuffer:
         self._room = asyncio.Event()
         self._failed: BaseException | None = None
         self._finished = False
+        self._input_ended = False
         self.full = False
         self._drainer = asyncio.get_running_loop().create_task(self._drain())
 
@@ -85,7 +86,10 @@ class EgressBuffer:
         self._queued.set()
 
     async def finish(self) -> None:
-        """Waits until everything queued has been sent, or the send failed."""
+        """No more messages will come (the app returned): waits until everything queued has
+        been sent, or the send failed."""
+        self._input_ended = True
+        self._queued.set()
         with contextlib.suppress(asyncio.CancelledError, OSError):
             await self._drainer
 
@@ -109,6 +113,8 @@ class EgressBuffer:
         try:
             while not self._finished:
                 while not self._messages:
+                    if self._input_ended:
+                        return  # the app returned without ending its response: nothing left
                     self._queued.clear()
                     await self._queued.wait()
                 message, size = self._messages[0]

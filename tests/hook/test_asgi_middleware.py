@@ -286,7 +286,9 @@ def test_a_full_egress_buffer_holds_the_app_reports_the_stream_and_stays_bounded
         agent.send(Cancel(request_id="cmpl-s0", reason="stalled", correlation_id="c-9"))
         assert _answer(agent, "c-9").status == "cancelled"
         for client in clients:
-            client.close()
+            client.close()  # unread data: a reset; the apps end mid-response
+        assert _closed(agent, "cmpl-s1").reason == _closed(agent, "cmpl-s2").reason == "aborted"
+        wait_until(lambda: budget.buffered_bytes == 0)  # nothing left behind in memory
 
 
 def _reported_full(messages: list[Message], request_id: str) -> bool:

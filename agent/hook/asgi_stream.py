@@ -143,7 +143,9 @@ class RequestStream:
         elif kind == "http.response.body" and self._streaming:
             self._count(bytes(message.get("body", b"")), bool(message.get("more_body", False)))
         put = self.buffer.put(message) if self.buffer is not None else send(message)
-        if not await self._until_cancelled(put):
+        if not self.opened:  # the agent cannot cancel what it never heard of: no race needed
+            await put
+        elif not await self._until_cancelled(put):
             await _refuse_after_grace()
 
     async def drain(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.middleware import ProxyFixMiddleware
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
@@ -33,6 +34,7 @@ class SseApp:
     def __init__(self, pause: float = 0.002) -> None:
         self.pause = pause
         self.outcomes: dict[str, str] = {}
+        self.scope_clients: dict[str, str] = {}  # the client address the app was told
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self._completions, methods=["POST"]),
@@ -46,6 +48,7 @@ class SseApp:
     async def _completions(self, request: Request) -> StreamingResponse:
         body = await request.json()
         request_id = f"cmpl-{body.get('tag', 'x')}"
+        self.scope_clients[request_id] = request.client.host if request.client else ""
         count = int(body.get("max_tokens", 16))
         padding = "x" * int(body.get("pad", EVENT_PADDING_BYTES))
         events = self._events(request_id, count, padding)
@@ -71,6 +74,8 @@ class SseApp:
 
 class ServerThread:
     """One ASGI server on 127.0.0.1:`port` in a daemon thread; `stop` ends it. With
+    `proxy_headers`, the server rewrites the scope's client from proxy headers (uvicorn's
+    own option; hypercorn's ProxyFixMiddleware, trusting `Forwarded`). With
     `sndbuf` (uvicorn only), every connection gets that fixed send buffer (no autotuning)."""
 
     def __init__(
@@ -106,10 +111,13 @@ class ServerThread:
             self._uvicorn = uvicorn.Server(config)
             await self._uvicorn.serve(sockets=[self._listener()] if self._sndbuf else None)
         else:
+            app = self._app
+            if self._proxy_headers:  # trusts the Forwarded header, as behind a proxy
+                app = ProxyFixMiddleware(app, mode="modern", trusted_hops=1)
             hypercorn_config = HypercornConfig()
             hypercorn_config.bind = [f"127.0.0.1:{self.port}"]
             hypercorn_config.loglevel = "WARNING"
-            await hypercorn_serve(self._app, hypercorn_config, shutdown_trigger=self._shutdown.wait)
+            await hypercorn_serve(app, hypercorn_config, shutdown_trigger=self._shutdown.wait)
 
     def _listener(self) -> socket.socket:
         """A listening socket whose accepted connections inherit its send buffer size."""

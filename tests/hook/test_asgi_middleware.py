@@ -99,6 +99,8 @@ def test_streams_are_announced_with_the_sockets_real_addresses(
         f"{local[0]}:{local[1]}",
         f"{remote[0]}:{remote[1]}",
     )
+    # The app was told the forwarded client; the agent hears the socket's.
+    assert app.scope_clients["cmpl-a"] in ("203.0.113.9", "198.51.100.7")
     assert opened.kv_estimated
     assert closed.reason == "finished"
     updates = [m for m in _of(agent.messages, Update) if m.request_id == "req-7"]  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -143,6 +144,17 @@ class Reader:
             self.error = exc
 
 
+def joined_row(stack: Stack, request_id: str) -> dict[str, Any]:
+    """The agent's `streams --json` row for `request_id`, once it has joined it."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        for row in httpx.get(f"{stack.agent_url}/api/v1/streams").json():
+            if row["request_id"] == request_id:
+                return dict(row)
+        time.sleep(0.05)
+    raise AssertionError(f"the agent never joined {request_id} to a socket")
+
+
 def sse_texts(raw: bytes) -> list[str]:
     texts = []
     for line in raw.decode("utf-8", "replace").splitlines():
@@ -161,6 +173,7 @@ def test_a_stalled_client_is_cancelled_and_the_waiting_request_served(
     stack.wait_engine_connected()
     stalled_id = str(uuid.uuid4())
     stalled = stalled_client(server.port, stalled_id)
+    row = joined_row(stack, stalled_id)  # before the agent acts (it needs 2 s of stall)
     time.sleep(1.0)  # the stalled request holds llama-cpp-python's generation lock now
     waiting = Reader(server.port, completion(50, str(uuid.uuid4())))
     asked_at = time.monotonic()
@@ -181,6 +194,11 @@ def test_a_stalled_client_is_cancelled_and_the_waiting_request_served(
     outcomes = [o for o in stack.audit_entries("outcome") if o["result"]["status"] == "cancelled"]
     assert [o["request_id"] for o in outcomes] == [stalled_id]
     context_kv_bytes = MODEL.context_length * MODEL.kv_bytes_per_token
+    assert (row["engine"], row["kv_bytes"], row["kv_estimated"]) == (
+        "llama-cpp-python",
+        context_kv_bytes,
+        True,
+    )
     assert outcomes[0]["result"]["freed_bytes"] == context_kv_bytes
     metrics = httpx.get(f"{stack.agent_url}/metrics").text
     assert metric_value(metrics, "kvwatch_actions_reclaimed_kv_bytes_total") == context_kv_bytes

@@ -105,19 +105,20 @@ class Middleware:
         async def wrapped_send(message: Message) -> None:
             await stream.send(send, message, egress)
 
-        reason = "aborted"
+        reason, returned = "aborted", False
         try:
             await self.app(scope, wrapped_receive, wrapped_send)
-            reason = "finished" if stream.finished else "aborted"
+            reason, returned = ("finished" if stream.finished else "aborted"), True
         except Exception:
             if not stream.cancelled.is_set():
                 raise
             # The app unwound through its disconnect path as asked; not an error to log.
         finally:
-            await self._end(stream, reason)
+            await self._end(stream, reason, drain=returned)
 
-    async def _end(self, stream: RequestStream, reason: str) -> None:
-        """After the app returned: reset a cancelled connection, drain a buffered one, close."""
+    async def _end(self, stream: RequestStream, reason: str, *, drain: bool) -> None:
+        """After the app returned: reset a cancelled connection, drain a buffered response
+        (only after a normal return: a failing or cancelled task drops it), close."""
         if stream.cancelled.is_set():
             if stream.connection is not None:
                 stream.connection.reset()
@@ -130,8 +131,11 @@ class Middleware:
                 await asyncio.sleep(0)
         stream.app_done.set()
         if stream.buffer is not None and not stream.cancelled.is_set():
-            stream.report()  # kv_blocks is 0 now: the app let the request go
-            await stream.drain()
+            if drain:
+                stream.report()  # kv_blocks is 0 now: the app let the request go
+                await stream.drain()
+            else:
+                stream.buffer.close("the app failed")
         if stream.cancelled.is_set():
             reason = "cancelled"
         request_id = stream.request_id

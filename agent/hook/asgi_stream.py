@@ -85,7 +85,6 @@ class RequestStream:
         self._kept: Message | None = None
         self._body_bytes = 0
         self.tokens_out = 0
-        self.bytes_out = 0
         self.finished = False
         self.cancelled = asyncio.Event()
         self.app_done = threading.Event()
@@ -188,7 +187,6 @@ class RequestStream:
         return True
 
     def _count(self, body: bytes, more_body: bool) -> None:
-        self.bytes_out += len(body)
         self.tokens_out += body.count(b"data:") - body.count(b"data: [DONE]")
         self.finished = not more_body
         if self.request_id is None:
@@ -224,6 +222,7 @@ class RequestStream:
             )
 
     def _report_full(self, full: bool) -> None:
+        """The egress buffer's callback when it fills or frees up (`report` reads `full`)."""
         self.report()
 
 

@@ -40,6 +40,7 @@ bench: setup
 	$(PY) -m bench.bench_rescue
 	$(PY) -m bench.bench_footprint
 	$(PY) -m bench.bench_backends
+	$(PY) -m bench.bench_egress
 
 # mypy cannot follow setuptools' package-dir mapping through an editable install, so it
 # reads the package through a small tree of links that spells the import names.

@@ -34,21 +34,23 @@ def probe_interval_ns(base_ns: int, backoff: int) -> int:
     return min(base_ns << min(backoff, _MAX_PROBES), TCP_RTO_MAX_NS)
 
 
-def first_answer_after_ns(
+def answer_after_ns(
     anchor_ns: int, backoff: int, base_ns: int, rtt_ns: int, after_ns: int
-) -> int:
-    """By when the answer to the first probe sent after `after_ns` arrives at the latest
-    (CLOCK_MONOTONIC ns; timer slack included). `anchor_ns` is when the timer was last armed
-    — the newest answer, or the start of the zero window — and `backoff` the kernel's
-    icsk_backoff then: it is not reset while the window stays too small for a segment, so
-    the schedule goes on from there, not from the start of the newest zero-window episode."""
-    answer_ns = anchor_ns
+) -> tuple[int, int]:
+    """When the answer to the first probe sent after `after_ns` arrives: (earliest, latest)
+    CLOCK_MONOTONIC ns — timers fire late by up to the timer wheel's slack, never early.
+    `anchor_ns` is when the timer was last armed — the newest answer, or the start of the
+    zero window — and `backoff` the kernel's icsk_backoff then: it is not reset while the
+    window stays too small for a segment, so the schedule goes on from there, not from the
+    start of the newest zero-window episode."""
+    earliest_ns = latest_ns = anchor_ns
     for step in range(backoff, backoff + _MAX_PROBES):
         interval = probe_interval_ns(base_ns, step)
-        answer_ns += interval + interval // TIMER_SLACK_DIVISOR + rtt_ns
-        if answer_ns - rtt_ns >= after_ns:
-            return answer_ns
-    return answer_ns
+        earliest_ns += interval + rtt_ns
+        latest_ns += interval + interval // TIMER_SLACK_DIVISOR + rtt_ns
+        if latest_ns - rtt_ns >= after_ns:
+            break
+    return max(earliest_ns, after_ns + rtt_ns), latest_ns
 
 
 def persist_elapsed_ns(backoff: int, rto_us: int, timer_expires_ms: int) -> int:

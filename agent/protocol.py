@@ -95,7 +95,8 @@ class Open(Message):
     """Engine → agent: a streaming request and the client connection it writes to.
 
     `local` is the server socket's own address, `remote` the client's, as the server sees them;
-    `pid` is the process that owns that socket.
+    `pid` is the process that owns that socket. `kv_estimated` (optional) says the KV numbers
+    are the engine hook's estimate, not the engine's block table.
     """
 
     TYPE: ClassVar[str] = "open"
@@ -107,16 +108,23 @@ class Open(Message):
     bytes_per_block: int
     device: str
     tokens_out: int = 0
+    kv_estimated: bool = False
 
 
 @dataclass(frozen=True)
 class Update(Message):
-    """Engine → agent: the request's current KV blocks and tokens streamed so far."""
+    """Engine → agent: the request's current KV blocks and tokens streamed so far.
+
+    Optional: `kv_estimated` as in `Open`; `egress_buffer_full` when the engine's per-request
+    output buffer is at its cap because the client does not read (evidence of a stall).
+    """
 
     TYPE: ClassVar[str] = "update"
     request_id: str
     kv_blocks: int
     tokens_out: int
+    kv_estimated: bool = False
+    egress_buffer_full: bool = False
 
 
 @dataclass(frozen=True)
@@ -180,7 +188,10 @@ def _field_types(cls: type[Message]) -> tuple[tuple[str, Any], ...]:
 
 def _check_field(kind: str, name: str, expected: Any, value: Any) -> None:
     """Raises ProtocolError unless `value` is a valid `expected` for field `name`."""
-    if expected is int:
+    if expected is bool:
+        ok = isinstance(value, bool)
+        wanted = "true or false"
+    elif expected is int:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
         wanted = "a non-negative integer"
     elif expected is str and name.endswith("_id"):

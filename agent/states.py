@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwatch.errors import ConfigError
-from kvwatch.probes import NS_PER_SECOND, first_answer_after_ns, probe_base_ns
+from kvwatch.probes import NS_PER_SECOND, answer_after_ns, probe_base_ns
 from kvwatch.sockets import SocketSample
 
 DEFAULT_MIN_READER_BYTES_PER_SECOND = 4096
@@ -178,18 +178,19 @@ def judge(sample: SocketSample, now_ns: int, policy: StatePolicy) -> StallJudgem
         else (start_ns, 0)
     )
     base_ns, rtt_ns = probe_base_ns(sample.rto_us), sample.srtt_us * 1000
+    schedule = (anchor_ns, backoff, base_ns, rtt_ns)
     # Silence: no answer to the two probes sent after the newest sign of life.
-    first_after_heard = first_answer_after_ns(anchor_ns, backoff, base_ns, rtt_ns, heard_ns + 1)
-    silent_ns = first_answer_after_ns(anchor_ns, backoff, base_ns, rtt_ns, first_after_heard + 1)
+    _, first_after_heard = answer_after_ns(*schedule, heard_ns + 1)
+    _, silent_ns = answer_after_ns(*schedule, first_after_heard + 1)
     answered = sample.last_ack_ns >= drained_ns
-    expected_ns = (
-        sample.last_ack_ns
-        if answered
-        else first_answer_after_ns(anchor_ns, backoff, base_ns, rtt_ns, drained_ns)
-    )
+    earliest_ns, expected_ns = answer_after_ns(*schedule, drained_ns)
+    if answered:
+        earliest_ns = expected_ns = sample.last_ack_ns
     silent = now_ns >= silent_ns + PROOF_POLL_NS
     stalled = (answered or silent) and now_ns >= threshold_ns
-    proof_ns = max(threshold_ns, min(expected_ns, silent_ns + PROOF_POLL_NS))
+    # Looked at from the earliest the proving answer can come, then every PROOF_POLL_NS:
+    # the decision follows the answer within that.
+    proof_ns = max(threshold_ns, min(earliest_ns, silent_ns + PROOF_POLL_NS))
     if stalled:
         recheck_ns = 0
     elif now_ns < proof_ns:

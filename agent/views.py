@@ -74,6 +74,17 @@ def human_bytes(count: int) -> str:
     return f"{value:.1f}G"
 
 
+ESTIMATE_MARK = " (est.)"
+
+
+def kv_text(row: dict[str, Any]) -> str:
+    """A stream row's KV bytes for people: "-" when unknown, marked when an estimate."""
+    kv_bytes = row.get("kv_bytes")
+    if not isinstance(kv_bytes, int):
+        return "-"
+    return human_bytes(kv_bytes) + (ESTIMATE_MARK if row.get("kv_estimated") else "")
+
+
 def sockets_table(rows: list[dict[str, Any]]) -> Table:
     """`socket_json` rows as a table that fits 80 columns: the local side shows only its port
     (the server's, usually); ZW is the current zero-window episode and STUCK the time

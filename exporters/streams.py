@@ -16,8 +16,11 @@ def stream_metrics(daemon: Daemon) -> Iterator[Metric]:
     views = daemon.stream_views()
     counts: Counter[StreamState] = Counter(view.state for view in views)
     kv_bytes: Counter[StreamState] = Counter()
+    estimated: Counter[StreamState] = Counter()
     for view in views:
         kv_bytes[view.state] += view.kv_bytes or 0
+        if view.engine is not None and view.engine.kv_estimated:
+            estimated[view.state] += view.engine.kv_bytes
     streams = GaugeMetricFamily(
         "kvwatch_streams", "Tracked TCP streams by state.", labels=["state"]
     )
@@ -26,11 +29,19 @@ def stream_metrics(daemon: Daemon) -> Iterator[Metric]:
         "KV cache held by the engine requests behind streams, by stream state, in bytes.",
         labels=["state"],
     )
+    held_estimated = GaugeMetricFamily(
+        "kvwatch_streams_kv_held_estimated_bytes",
+        "The part of kvwatch_streams_kv_held_bytes that engine hooks estimated (from the "
+        "model's geometry and tokens) rather than read from a block table, in bytes.",
+        labels=["state"],
+    )
     for state in StreamState:
         streams.add_metric([state.value], counts[state])
         held.add_metric([state.value], kv_bytes[state])
+        held_estimated.add_metric([state.value], estimated[state])
     yield streams
     yield held
+    yield held_estimated
     yield GaugeMetricFamily(
         "kvwatch_streams_stalled_kv_held_bytes",
         "KV cache held by requests whose client stalled, in bytes.",

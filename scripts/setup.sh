@@ -8,9 +8,10 @@ cd "$(dirname "$0")/.."
 # check the exporter and the unit in tests; tmux drives `kvwatch top` in a real terminal;
 # qemu, udev, busybox-static and kmod boot other kernels for the kernel matrix (virtme-ng);
 # python3-bpfcc is BCC, tested there against CO-RE (kvwatch imports it from the system's
-# Python directory: it is not on PyPI).
+# Python directory: it is not on PyPI); cmake and g++ build llama-cpp-python (below).
 APT_PACKAGES=(clang llvm libbpf-dev libbpf1 bpftool iproute2 tmux procps util-linux
-              prometheus systemd qemu-system-x86 udev busybox-static kmod python3-bpfcc)
+              prometheus systemd qemu-system-x86 udev busybox-static kmod python3-bpfcc
+              cmake g++)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -32,3 +33,14 @@ VENV=${VENV:-.venv}
 # The CPU build of torch first: a bare torch requirement would pull a multi-GB CUDA build.
 "$VENV/bin/pip" install -q "torch==2.13.0"
 "$VENV/bin/pip" install -q -e ".[engine,dev]"
+
+# llama-cpp-python's server, built from its sdist for the CPU (the ASGI middleware's end-to-end
+# test runs it). Only what the Python binding needs is compiled: about 5 minutes on 2 cores.
+LLAMA_CPP_PYTHON_VERSION=0.3.16
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama_cpp_python') != '$LLAMA_CPP_PYTHON_VERSION')" 2>/dev/null; then
+  echo "setup: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION (CPU)"
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF \
+-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF" \
+  CMAKE_BUILD_PARALLEL_LEVEL=2 \
+    "$VENV/bin/pip" install -q "llama-cpp-python[server]==$LLAMA_CPP_PYTHON_VERSION"
+fi

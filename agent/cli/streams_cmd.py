@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 from rich.console import Console
@@ -12,7 +13,7 @@ from rich.text import Text
 from kvwatch.cli.options import state_filter_option
 from kvwatch.client import DEFAULT_AGENT_URL, get_json
 from kvwatch.states import StreamState
-from kvwatch.views import STATE_STYLES, human_bytes
+from kvwatch.views import STATE_STYLES, kv_text
 
 
 @click.command("streams")
@@ -23,25 +24,38 @@ from kvwatch.views import STATE_STYLES, human_bytes
     "as_json",
     is_flag=True,
     help="Print the JSON contract: the `sockets` fields plus request_id, engine, "
-    "engine_pid, kv_blocks, kv_bytes, gpu.",
+    "engine_pid, kv_blocks, kv_bytes (kv_estimated: true when the engine hook "
+    "estimated it), gpu.",
 )
 def command(url: str, states: tuple[str, ...], as_json: bool) -> None:
-    """List the streams the agent sees, with the engine request and KV behind each."""
+    """List the streams the agent sees, with the engine request and KV behind each.
+
+    \b
+    STUCK is the time without ACK progress; STALL/NEEDED how long the stall conditions have
+    held and how long the judge requires before it calls the stream stalled (derived per
+    socket from --min-reader-rate and the kernel's evidence; docs/collector.md)."""
     rows = [r for r in get_json(url, "/api/v1/streams") if not states or r["state"] in states]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
-    for header in ("REQUEST", "CLIENT", "STATE", "KV", "STUCK"):
+    for header in ("REQUEST", "CLIENT", "STATE", "KV", "STUCK", "STALL/NEEDED"):
         table.add_column(header, no_wrap=True)
     for row in rows:
         state = StreamState(row["state"])
-        kv = human_bytes(row["kv_bytes"]) if row["kv_bytes"] is not None else "-"
         table.add_row(
             row["request_id"] or "-",
             row["remote"],
             Text(state.value, style=STATE_STYLES[state]),
-            kv,
+            kv_text(row),
             f"{row['no_progress_seconds']:.1f}s",
+            stall_text(row),
         )
     Console().print(table)
+
+
+def stall_text(row: dict[str, Any]) -> str:
+    required = row.get("stall_required_seconds")
+    if required is None:
+        return "-"
+    return f"{row['stalled_seconds']:.1f}/{required:.1f}s"

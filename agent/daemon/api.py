@@ -128,4 +128,3 @@ def _endpoint_or_none(text: str) -> str | None:
         return str(Endpoint.parse(text))
     except ValueError:
         return None
-

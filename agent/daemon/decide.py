@@ -36,19 +36,10 @@ EVENTS_KEPT = 2000
 def evidence_of(view: StreamView) -> dict[str, Any]:
     """What the decision was based on, for the audit log and `explain`: the stream as the
     `streams` contract spells it (the socket, the judge's required time and evidence, the
-    join)."""
+    join, whether the KV size is an estimate), and whether the engine's egress buffer for it
+    is full (decoupled egress: the stream's own evidence of a stall)."""
     evidence = view.to_json()
-    if view.engine is not None:
-        evidence.update(
-            kv_blocks=view.engine.kv_blocks,
-            kv_bytes=view.engine.kv_bytes,
-            engine=view.engine.engine,
-            engine_pid=view.engine.engine_pid,
-        )
-    if view.process is not None:
-        evidence.update(cgroup=view.process.cgroup_path, pod_uid=view.process.pod_uid)
-    if view.gpus:
-        evidence["gpu"] = [g._asdict() for g in view.gpus]
+    evidence["egress_buffer_full"] = view.engine.egress_buffer_full if view.engine else None
     return evidence
 
 
@@ -178,6 +169,8 @@ class Decider:
             else:
                 result = await self.actions.reset(view, decision.reason)
             took_effect = took_effect or result["status"] in TOOK_EFFECT
+            if action == "cancel":
+                result["estimated"] = evidence["kv_estimated"]
             self.audit.record_outcome(ref, action, result)
             event = "cancel_acknowledged" if action == "cancel" else "reset_done"
             self.timelines.of(connection_id(view.sample.local, view.sample.remote)).add(

@@ -226,6 +226,7 @@ class EngineConnection:
             bytes_per_block=message.bytes_per_block,
             tokens_out=message.tokens_out,
             opened_ns=time.monotonic_ns(),
+            kv_estimated=message.kv_estimated,
         )
         self._gone_by_cancel.pop(message.request_id, None)
         if not self._registry.open(self.connection_id, stream):
@@ -241,7 +242,12 @@ class EngineConnection:
         self._counters.add("updates")
         request_id = message.request_id
         known = self._registry.update(
-            self.connection_id, request_id, message.kv_blocks, message.tokens_out
+            self.connection_id,
+            request_id,
+            message.kv_blocks,
+            message.tokens_out,
+            kv_estimated=message.kv_estimated,
+            egress_buffer_full=message.egress_buffer_full,
         )
         if not known and request_id not in self._gone_by_cancel:
             self._counters.add("unknown_request_events")

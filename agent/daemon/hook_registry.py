@@ -56,6 +56,8 @@ class EngineStream:
     reports for that socket). `engine_pid` is the pid to join on, in the agent's pid namespace;
     `announced_pid` is the `open.pid` as the engine sent it (see `resolve_engine_pid`).
     `opened_ns` is `time.monotonic_ns()` when the agent first learned of the request.
+    `kv_estimated` marks `kv_blocks` as the hook's estimate rather than the engine's block
+    table; `egress_buffer_full` says the engine's output buffer for it is at its cap.
     """
 
     request_id: str
@@ -70,6 +72,8 @@ class EngineStream:
     bytes_per_block: int
     tokens_out: int
     opened_ns: int
+    kv_estimated: bool = False
+    egress_buffer_full: bool = False
 
     @property
     def kv_bytes(self) -> int:
@@ -177,12 +181,27 @@ class StreamRegistry:
         self._notify(stream.request_id, stream)
         return True
 
-    def update(self, owner: int, request_id: str, kv_blocks: int, tokens_out: int) -> bool:
+    def update(
+        self,
+        owner: int,
+        request_id: str,
+        kv_blocks: int,
+        tokens_out: int,
+        *,
+        kv_estimated: bool = False,
+        egress_buffer_full: bool = False,
+    ) -> bool:
         """New numbers for a stream this owner announced; False when it owns no such stream."""
         stream = self._streams.get(request_id)
         if stream is None or self._owner[request_id] != owner:
             return False
-        stream = dataclasses.replace(stream, kv_blocks=kv_blocks, tokens_out=tokens_out)
+        stream = dataclasses.replace(
+            stream,
+            kv_blocks=kv_blocks,
+            tokens_out=tokens_out,
+            kv_estimated=kv_estimated,
+            egress_buffer_full=egress_buffer_full,
+        )
         self._streams[request_id] = stream
         self._notify(request_id, stream)
         return True

@@ -54,6 +54,7 @@ class StreamView:
             engine_pid=engine.engine_pid if engine else None,
             kv_blocks=engine.kv_blocks if engine else None,
             kv_bytes=self.kv_bytes,
+            kv_estimated=engine.kv_estimated if engine else None,
             gpu=[
                 {"index": g.gpu_index, "uuid": g.uuid, "used_bytes": g.used_bytes}
                 for g in self.gpus

@@ -57,6 +57,8 @@ class _LiveStream:
     remote: Endpoint
     kv_blocks: int
     tokens_out: int
+    kv_estimated: bool
+    egress_buffer_full: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,21 +112,36 @@ class StreamBook:
     def live_count(self) -> int:
         return len(self._streams)
 
-    def opened(self, request_id: str, local: Endpoint, remote: Endpoint, kv_blocks: int) -> None:
-        stream = _LiveStream(local, remote, kv_blocks, 0)
+    def opened(
+        self,
+        request_id: str,
+        local: Endpoint,
+        remote: Endpoint,
+        kv_blocks: int,
+        kv_estimated: bool = False,
+    ) -> None:
+        stream = _LiveStream(local, remote, kv_blocks, 0, kv_estimated)
         message = self._open_message(request_id, stream)  # validates before anything changes
         with self._lock:
             self._streams[request_id] = stream
             self._enqueue(message)
 
-    def updated(self, request_id: str, kv_blocks: int, tokens_out: int) -> bool:
+    def updated(
+        self, request_id: str, kv_blocks: int, tokens_out: int, egress_buffer_full: bool = False
+    ) -> bool:
         """Records the new numbers; False when the stream is not live."""
-        Update(request_id=request_id, kv_blocks=kv_blocks, tokens_out=tokens_out)  # validates
+        Update(  # validates
+            request_id=request_id,
+            kv_blocks=kv_blocks,
+            tokens_out=tokens_out,
+            egress_buffer_full=egress_buffer_full,
+        )
         with self._lock:
             stream = self._streams.get(request_id)
             if stream is None:
                 return False
             stream.kv_blocks, stream.tokens_out = kv_blocks, tokens_out
+            stream.egress_buffer_full = egress_buffer_full
             if request_id not in self._update_queued and self._enqueue(_PendingUpdate(request_id)):
                 self._update_queued.add(request_id)
             return True
@@ -176,6 +193,8 @@ class StreamBook:
                             request_id=item.request_id,
                             kv_blocks=stream.kv_blocks,
                             tokens_out=stream.tokens_out,
+                            kv_estimated=stream.kv_estimated,
+                            egress_buffer_full=stream.egress_buffer_full,
                         )
                     )
         return messages
@@ -203,4 +222,5 @@ class StreamBook:
             bytes_per_block=self._info.bytes_per_block,
             device=self._info.device,
             tokens_out=stream.tokens_out,
+            kv_estimated=stream.kv_estimated,
         )

@@ -91,16 +91,33 @@ class EngineHook:
         waker.close()
 
     def stream_opened(
-        self, request_id: str, local: tuple[str, int], remote: tuple[str, int], kv_blocks: int
+        self,
+        request_id: str,
+        local: tuple[str, int],
+        remote: tuple[str, int],
+        kv_blocks: int,
+        *,
+        kv_estimated: bool = False,
     ) -> None:
+        """A streaming response started; `kv_estimated` marks `kv_blocks` as an estimate."""
         try:
-            self._book.opened(request_id, _endpoint(local), _endpoint(remote), kv_blocks)
+            self._book.opened(
+                request_id, _endpoint(local), _endpoint(remote), kv_blocks, kv_estimated
+            )
         except (ProtocolError, ValueError, TypeError, IndexError) as exc:
             self._drop_invalid("stream_opened", exc)
 
-    def stream_updated(self, request_id: str, kv_blocks: int, tokens_out: int) -> None:
+    def stream_updated(
+        self,
+        request_id: str,
+        kv_blocks: int,
+        tokens_out: int,
+        *,
+        egress_buffer_full: bool = False,
+    ) -> None:
+        """New numbers; `egress_buffer_full` says the engine's output buffer for it is full."""
         try:
-            if not self._book.updated(request_id, kv_blocks, tokens_out):
+            if not self._book.updated(request_id, kv_blocks, tokens_out, egress_buffer_full):
                 self._counters.add("unknown_stream_events")
         except ProtocolError as exc:
             self._drop_invalid("stream_updated", exc)

@@ -17,7 +17,7 @@ from rich.text import Text
 
 from kvwatch.states import StreamState
 from kvwatch.top.model import Frame, Header, Row, RowFilter, fill_fraction
-from kvwatch.views import STATE_STYLES, human_bytes
+from kvwatch.views import ESTIMATE_MARK, STATE_STYLES, human_bytes
 
 COLUMN_GAP = 1
 HOOK_ABBREVIATIONS = {"zero_window_probe": "zw_probe"}
@@ -66,7 +66,8 @@ def _srtt(row: Row) -> str:
 
 def _kv(row: Row) -> str:
     blocks, size = row.get("kv_blocks"), row.get("kv_bytes")
-    return "-" if blocks is None else f"{blocks}/{_bytes(size)}"
+    mark = ESTIMATE_MARK if row.get("kv_estimated") else ""
+    return "-" if blocks is None else f"{blocks}/{_bytes(size)}{mark}"
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,34 @@ def test_engine_hook_streams_are_tracked_and_joined_by_four_tuple(socket_path: s
     run_async(scenario())
 
 
+def test_estimates_and_full_egress_buffers_reach_the_registry(socket_path: str) -> None:
+    async def scenario() -> None:
+        async with (
+            running_server(socket_path) as (server, _),
+            engine_hook(socket_path) as hook,
+        ):
+            hook.stream_opened("est-1", SERVER, _client(50011), kv_blocks=2, kv_estimated=True)
+            hook.stream_opened("exact-1", SERVER, _client(50012), kv_blocks=2)
+            await wait_until(lambda: len(server.streams()) == 2)
+            estimated = server.find(LOCAL, Endpoint("127.0.0.1", 50011))
+            exact = server.find(LOCAL, Endpoint("127.0.0.1", 50012))
+            assert estimated is not None and exact is not None
+            assert (estimated.kv_estimated, exact.kv_estimated) == (True, False)
+            assert not estimated.egress_buffer_full
+
+            hook.stream_updated("est-1", kv_blocks=3, tokens_out=9, egress_buffer_full=True)
+
+            def full() -> bool:
+                stream = server.find(LOCAL, Endpoint("127.0.0.1", 50011))
+                return stream is not None and stream.egress_buffer_full
+
+            await wait_until(full)
+            updated = server.find(LOCAL, Endpoint("127.0.0.1", 50011))
+            assert updated is not None and updated.kv_estimated and updated.kv_blocks == 3
+
+    run_async(scenario())
+
+
 def test_engine_disconnect_forgets_its_streams(socket_path: str) -> None:
     async def scenario() -> None:
         async with running_server(socket_path) as (server, changes):

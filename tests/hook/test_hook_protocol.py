@@ -99,6 +99,19 @@ def test_every_message_round_trips_as_one_line(message: Message) -> None:
     assert decode(line.decode(), sender=message.SENDER) == message
 
 
+def test_optional_estimate_and_buffer_fields_default_off_and_round_trip() -> None:
+    old_peer = decode(_line(**_open_body()))
+    assert isinstance(old_peer, Open) and old_peer.kv_estimated is False
+    update = Update(
+        request_id="r", kv_blocks=1, tokens_out=2, kv_estimated=True, egress_buffer_full=True
+    )
+    assert decode(encode(update)) == update
+    body = json.loads(encode(update))
+    assert (body["kv_estimated"], body["egress_buffer_full"]) == (True, True)
+    with pytest.raises(ProtocolError, match="'kv_estimated' must be true or false"):
+        decode(_line(**_open_body(kv_estimated=1)))
+
+
 def test_endpoints_are_ip_port_strings_with_ipv6_in_brackets() -> None:
     body = json.loads(encode(EVERY_MESSAGE[3]))
     assert body["local"] == "10.0.0.1:8000"

@@ -1,0 +1,224 @@
+"""The kvwatch engine hook as pure ASGI middleware, for engines whose HTTP layer is ASGI.
+
+    vllm serve MODEL --middleware kvwatch.hook.asgi.Middleware
+    KVWATCH_WRAP_FACTORY=llama_cpp.server.app:create_app MODEL=m.gguf \\
+        uvicorn --factory kvwatch.hook.asgi:wrapped_factory
+
+Each streaming (text/event-stream) response is announced to the kvwatch agent with its
+request id, the connection's real addresses and an estimated KV size; a `cancel` from the agent
+becomes `http.disconnect` for the app (its own abort path frees the KV), then a TCP reset.
+Settings come from keyword arguments or, for `--middleware` (which passes none), from the
+environment: KVWATCH_ENGINE_SOCKET, KVWATCH_KV_BYTES_PER_TOKEN, KVWATCH_EGRESS_BUFFER_BYTES
+(0, the default, keeps egress coupled) and KVWATCH_EGRESS_TOTAL_BYTES. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import importlib
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable
+
+from kvwatch.errors import ConfigError
+from kvwatch.hook.api import CancelOutcome, EngineInfo
+from kvwatch.hook.asgi_conn import Connection, find_connection
+from kvwatch.hook.asgi_egress import EgressBudget
+from kvwatch.hook.asgi_kv import KvGeometry, detect
+from kvwatch.hook.asgi_stream import Message, Receive, RequestStream, Scope, Send, header
+from kvwatch.hook.engine_hook import EngineHook
+
+BYTES_PER_TOKEN_ENV = "KVWATCH_KV_BYTES_PER_TOKEN"
+EGRESS_BUFFER_ENV = "KVWATCH_EGRESS_BUFFER_BYTES"
+EGRESS_TOTAL_ENV = "KVWATCH_EGRESS_TOTAL_BYTES"
+WRAP_FACTORY_ENV = "KVWATCH_WRAP_FACTORY"
+DEFAULT_EGRESS_TOTAL_BYTES = 256 * 1024 * 1024
+CANCEL_TIMEOUT_SECONDS = 5.0
+# The hook answers `failed` at its own timeout; the middleware gives up a little earlier.
+CANCEL_WAIT_MARGIN_SECONDS = 0.5
+FINALIZER_TURNS = 4
+
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+_log = logging.getLogger("kvwatch.hook.asgi")
+
+
+class Middleware:
+    """Wraps an ASGI app; one engine hook (and agent connection) per process, started at the
+    first HTTP request, when the engine's configuration can be read from the app.
+
+    Invariants: the app sees every message it would see without kvwatch, except after a
+    cancel (then `http.disconnect`); a missing, slow or misbehaving agent never delays a
+    request (the hook never blocks); with egress buffering on, at most `egress_buffer_bytes`
+    per stream and `egress_total_bytes` over all streams are held (plus one message each).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        socket_path: str | None = None,
+        bytes_per_token: int | None = None,
+        egress_buffer_bytes: int | None = None,
+        egress_total_bytes: int | None = None,
+        cancel_timeout_seconds: float = CANCEL_TIMEOUT_SECONDS,
+        reconnect_seconds: float = 1.0,
+    ) -> None:
+        self.app = app
+        self._socket_path = socket_path
+        self._bytes_per_token = _setting(bytes_per_token, BYTES_PER_TOKEN_ENV, 0)
+        buffer_bytes = _setting(egress_buffer_bytes, EGRESS_BUFFER_ENV, 0)
+        total_bytes = _setting(egress_total_bytes, EGRESS_TOTAL_ENV, DEFAULT_EGRESS_TOTAL_BYTES)
+        self.egress_budget = EgressBudget(total_bytes) if buffer_bytes else None
+        self._egress_buffer_bytes = buffer_bytes
+        self._cancel_timeout_seconds = cancel_timeout_seconds
+        self._reconnect_seconds = reconnect_seconds
+        self._lock = threading.Lock()
+        self.hook: EngineHook | None = None
+        self._geometry: KvGeometry | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._numbers = itertools.count(1)
+        self._warned_scope = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        hook, geometry = self._start(scope)
+        stream = RequestStream(
+            hook,
+            geometry,
+            self._connection(scope),
+            f"asgi-{os.getpid()}-{next(self._numbers)}",
+            header(scope, b"x-request-id"),
+            self._register,
+        )
+        egress = None
+        if self.egress_budget is not None:
+            egress = (self._egress_buffer_bytes, self.egress_budget)
+
+        async def wrapped_receive() -> Message:
+            return await stream.receive(receive)
+
+        async def wrapped_send(message: Message) -> None:
+            await stream.send(send, message, egress)
+
+        reason, returned = "aborted", False
+        try:
+            await self.app(scope, wrapped_receive, wrapped_send)
+            reason, returned = ("finished" if stream.finished else "aborted"), True
+        except Exception:
+            if not stream.cancelled.is_set():
+                raise
+            # The app unwound through its disconnect path as asked; not an error to log.
+        finally:
+            await self._end(stream, reason, drain=returned)
+
+    async def _end(self, stream: RequestStream, reason: str, *, drain: bool) -> None:
+        """After the app returned: reset a cancelled connection, drain a buffered response
+        (only after a normal return: a failing or cancelled task drops it), close."""
+        if stream.cancelled.is_set():
+            if stream.connection is not None:
+                stream.connection.reset()
+            # A generator abandoned mid-`send` is closed only when it is collected, by the
+            # loop's async-generator finalizer (vLLM aborts its request there), and the app's
+            # exception handling may have left it in a reference cycle: collect once per cancel
+            # (cancels are rare), then let the finalizer's turns run before answering.
+            gc.collect()
+            for _ in range(FINALIZER_TURNS):
+                await asyncio.sleep(0)
+        stream.app_done.set()
+        if stream.buffer is not None and not stream.cancelled.is_set():
+            if drain:
+                stream.report()  # kv_blocks is 0 now: the app let the request go
+                await stream.drain()
+            else:
+                stream.buffer.close("the app failed")
+        if stream.cancelled.is_set():
+            reason = "cancelled"
+        request_id = stream.request_id
+        if stream.opened and request_id is not None:
+            self._streams.pop(request_id, None)
+            assert self.hook is not None, "a stream opens only through a started hook"
+            self.hook.stream_closed(request_id, reason)
+
+    def _register(self, stream: RequestStream) -> None:
+        if stream.request_id is not None:
+            self._streams[stream.request_id] = stream
+
+    def _start(self, scope: Scope) -> tuple[EngineHook, KvGeometry]:
+        """The process's hook and the engine's KV geometry, made on the first request."""
+        with self._lock:
+            if self.hook is None or self._geometry is None:
+                geometry = detect(scope.get("app", self.app), self._bytes_per_token)
+                info = EngineInfo(
+                    engine=geometry.engine,
+                    model=geometry.model,
+                    pid=os.getpid(),
+                    bytes_per_block=geometry.bytes_per_block,
+                    device=geometry.device,
+                    kv_blocks_total=0,
+                )
+                self.hook = EngineHook(
+                    info,
+                    self._cancel,
+                    self._socket_path,
+                    cancel_timeout_seconds=self._cancel_timeout_seconds,
+                    reconnect_seconds=self._reconnect_seconds,
+                )
+                self.hook.start()
+                self._geometry = geometry
+                _log.info("kvwatch hook for %s (%s); KV is estimated", info.engine, info.model)
+            return self.hook, self._geometry
+
+    def _connection(self, scope: Scope) -> Connection | None:
+        connection = find_connection(scope)
+        if connection is not None and not connection.from_socket and not self._warned_scope:
+            self._warned_scope = True
+            _log.warning(
+                "kvwatch could not reach this ASGI server's socket; announcing the scope's "
+                "addresses, which proxy headers may have rewritten (run uvicorn or hypercorn, "
+                "or turn proxy headers off, so the agent can join streams to sockets)"
+            )
+        return connection
+
+    def _cancel(self, request_id: str, reason: str) -> CancelOutcome:
+        """The hook's cancel handler (a worker thread): the stream's own answer, or unknown."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return CancelOutcome(request_id, "unknown_request", 0, 0, "no such live stream")
+        wait = max(0.1, self._cancel_timeout_seconds - CANCEL_WAIT_MARGIN_SECONDS)
+        return stream.cancel_from_thread(reason, wait)
+
+    def close(self) -> None:
+        """Stops the hook thread (tests and embedders; a server process just exits)."""
+        if self.hook is not None:
+            self.hook.stop()
+
+
+def wrapped_factory() -> Middleware:
+    """`uvicorn --factory kvwatch.hook.asgi:wrapped_factory`: the app factory named by
+    $KVWATCH_WRAP_FACTORY ("module:callable"), called, and wrapped."""
+    target = os.environ.get(WRAP_FACTORY_ENV, "")
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(
+            f"{WRAP_FACTORY_ENV} is {target!r}, not 'module:callable'",
+            f"set {WRAP_FACTORY_ENV}=llama_cpp.server.app:create_app (or your app factory)",
+        )
+    factory = getattr(importlib.import_module(module_name), attribute)
+    return Middleware(factory())
+
+
+def _setting(value: int | None, env: str, default: int) -> int:
+    if value is None:
+        text = os.environ.get(env, "")
+        try:
+            value = int(text) if text else default
+        except ValueError as exc:
+            raise ConfigError(f"{env}={text!r} is not a whole number", f"unset {env}") from exc
+    if value < 0:
+        raise ConfigError(f"{env} must not be negative, got {value}", "pass 0 or more")
+    return value

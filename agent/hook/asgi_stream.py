@@ -1,0 +1,242 @@
+"""One HTTP request seen by the kvwatch ASGI middleware: announce, count, cancel, close."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from kvwatch.hook.api import CancelOutcome
+from kvwatch.hook.asgi_conn import Connection
+from kvwatch.hook.asgi_egress import EgressBudget, EgressBuffer
+from kvwatch.hook.asgi_kv import KvGeometry, prompt_tokens
+from kvwatch.hook.engine_hook import EngineHook
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+FIRST_EVENT_SCAN_BYTES = 64 * 1024
+DISCONNECT: Message = {"type": "http.disconnect"}
+DISCONNECT_GRACE_SECONDS = 0.5
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def first_event_id(head: bytes) -> str | None:
+    """The id of the first complete SSE event in `head`: its `id:` field, else the "id" of
+    its `data:` JSON (OpenAI-style chunks: "cmpl-…", "chatcmpl-…"); None if it has neither."""
+    event = head.replace(b"\r\n", b"\n").split(b"\n\n", 1)[0]
+    for raw in event.split(b"\n"):
+        line = raw.decode("utf-8", "replace")
+        field, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if field == "id" and value:
+            return value
+        if field == "data":
+            try:
+                data = json.loads(value)
+            except ValueError:
+                continue
+            if isinstance(data, dict) and isinstance(data.get("id"), str) and data["id"]:
+                return str(data["id"])
+    return None
+
+
+class RequestStream:
+    """The middleware's view of one request; owned by the server's event loop, except
+    `cancel_from_thread`, which the hook's cancel worker calls.
+
+    Invariants: the stream is announced (`open`) at most once, at its first SSE body bytes,
+    and closed exactly once after that; once cancelled, `receive` returns `http.disconnect`
+    and `send` raises OSError after a short grace, so the app unwinds through its own
+    disconnect path (vLLM's generator cancellation aborts the engine request;
+    llama-cpp-python releases its lock).
+    """
+
+    def __init__(
+        self,
+        hook: EngineHook,
+        geometry: KvGeometry,
+        connection: Connection | None,
+        fallback_id: str,
+        header_id: str | None,
+        on_open: Callable[[RequestStream], None],
+    ) -> None:
+        self._hook = hook
+        self._on_open = on_open
+        self._geometry = geometry
+        self.connection = connection
+        self._fallback_id = fallback_id
+        self._header_id = header_id
+        self._loop = asyncio.get_running_loop()
+        self.request_id: str | None = None
+        self.opened = False
+        self._streaming = False
+        self._head = b""
+        self._kept: Message | None = None
+        self._body_bytes = 0
+        self.tokens_out = 0
+        self.finished = False
+        self.cancelled = asyncio.Event()
+        self.app_done = threading.Event()
+        self.buffer: EgressBuffer | None = None
+
+    def kv_blocks(self) -> int:
+        if self.app_done.is_set():
+            return 0  # the app returned: the engine has let the request go
+        return self._geometry.blocks_for(prompt_tokens(self._body_bytes) + self.tokens_out)
+
+    async def receive(self, receive: Receive) -> Message:
+        """The server's next message, or `http.disconnect` once cancelled. A caller that gives
+        up waiting (Starlette's `is_disconnected` polls with a cancelled scope) loses nothing:
+        the server's receive is cancelled with it, or its message is kept for the next call."""
+        if self._kept is not None:
+            message, self._kept = self._kept, None
+            return self._counted(message)
+        if self.cancelled.is_set():
+            return DISCONNECT
+        inner = asyncio.ensure_future(receive())
+        cancel = asyncio.ensure_future(self.cancelled.wait())
+        try:
+            await asyncio.wait((inner, cancel), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            if inner.done() and not inner.cancelled() and inner.exception() is None:
+                self._kept = inner.result()
+            raise
+        finally:
+            cancel.cancel()
+            if not inner.done():
+                inner.cancel()
+        if inner.cancelled() or not inner.done():
+            return DISCONNECT
+        return self._counted(inner.result())
+
+    def _counted(self, message: Message) -> Message:
+        if message.get("type") == "http.request":
+            self._body_bytes += len(message.get("body", b""))
+        return message
+
+    async def send(
+        self,
+        send: Send,
+        message: Message,
+        egress: tuple[int, EgressBudget] | None,
+    ) -> None:
+        if self.cancelled.is_set():
+            await _refuse_after_grace()
+        kind = message.get("type")
+        if kind == "http.response.start":
+            self._streaming = _is_event_stream(message)
+            if self._streaming and egress is not None:
+                cap_bytes, budget = egress
+                self.buffer = EgressBuffer(send, cap_bytes, budget, self._report_full)
+        elif kind == "http.response.body" and self._streaming:
+            self._count(bytes(message.get("body", b"")), bool(message.get("more_body", False)))
+        put = self.buffer.put(message) if self.buffer is not None else send(message)
+        if not self.opened:  # the agent cannot cancel what it never heard of: no race needed
+            await put
+        elif not await self._until_cancelled(put):
+            await _refuse_after_grace()
+
+    async def drain(self) -> None:
+        """Waits until the buffered response is sent; a cancel meanwhile drops it and resets."""
+        assert self.buffer is not None, "only buffered responses drain"
+        if not await self._until_cancelled(self.buffer.finish()):
+            self.buffer.close("cancelled by kvwatch")
+            if self.connection is not None:
+                self.connection.reset()
+
+    def cancel_from_thread(self, reason: str, timeout_seconds: float) -> CancelOutcome:
+        """Delivers http.disconnect on the loop and waits for the app to return."""
+        request_id = self.request_id or self._fallback_id
+        if self.app_done.is_set():  # decoupled egress: generation ended, only bytes remain
+            self._loop.call_soon_threadsafe(self.cancelled.set)
+            detail = "the engine had finished generating; only buffered output was dropped"
+            return CancelOutcome(request_id, "already_finished", 0, 0, detail)
+        blocks = self.kv_blocks()
+        self._loop.call_soon_threadsafe(self.cancelled.set)
+        if not self.app_done.wait(timeout_seconds):
+            detail = f"the app did not return within {timeout_seconds:g} s of http.disconnect"
+            return CancelOutcome(request_id, "failed", 0, 0, detail)
+        freed = blocks * self._geometry.bytes_per_block
+        return CancelOutcome(request_id, "cancelled", blocks, freed, f"{reason}; KV estimated")
+
+    async def _until_cancelled(self, awaitable: Awaitable[None]) -> bool:
+        """Awaits `awaitable`; False (and `awaitable` cancelled) if the request is cancelled
+        first."""
+        inner = asyncio.ensure_future(awaitable)
+        cancel = asyncio.ensure_future(self.cancelled.wait())
+        try:
+            await asyncio.wait((inner, cancel), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancel.cancel()
+            if not inner.done():
+                inner.cancel()
+        if not inner.done() or inner.cancelled():
+            return False
+        inner.result()
+        return True
+
+    def _count(self, body: bytes, more_body: bool) -> None:
+        self.tokens_out += body.count(b"data:") - body.count(b"data: [DONE]")
+        self.finished = not more_body
+        if self.request_id is None:
+            self._head += body[: FIRST_EVENT_SCAN_BYTES - len(self._head)]
+            if b"\n\n" not in self._head and more_body and len(self._head) < FIRST_EVENT_SCAN_BYTES:
+                return
+            self._announce()
+        else:
+            self.report()
+
+    def _announce(self) -> None:
+        self.request_id = self._header_id or first_event_id(self._head) or self._fallback_id
+        self._head = b""
+        connection = self.connection
+        if connection is None:
+            return
+        self._on_open(self)  # before the agent can hear of it: a cancel may follow at once
+        self._hook.stream_opened(
+            self.request_id,
+            connection.local,
+            connection.remote,
+            self.kv_blocks(),
+            kv_estimated=True,
+        )
+        self.opened = True
+
+    def report(self) -> None:
+        """Sends the stream's current numbers to the agent (coalesced by the hook)."""
+        if self.opened and self.request_id is not None:
+            full = self.buffer is not None and self.buffer.full
+            self._hook.stream_updated(
+                self.request_id, self.kv_blocks(), self.tokens_out, egress_buffer_full=full
+            )
+
+    def _report_full(self, full: bool) -> None:
+        """The egress buffer's callback when it fills or frees up (`report` reads `full`)."""
+        self.report()
+
+
+async def _refuse_after_grace() -> None:
+    """How a cancelled request's `send` ends: first a grace period in which an app that
+    listens for `http.disconnect` (Starlette under ASGI < 2.4, sse-starlette, vLLM, SGLang)
+    cancels its own send and runs its disconnect path, then OSError (ASGI 2.4's signal that
+    the client is gone) for apps that do not listen."""
+    await asyncio.sleep(DISCONNECT_GRACE_SECONDS)
+    raise OSError("the request was cancelled by kvwatch")
+
+
+def _is_event_stream(message: Message) -> bool:
+    for key, value in message.get("headers", ()):
+        if bytes(key).lower() == b"content-type":
+            return bytes(value).lower().startswith(b"text/event-stream")
+    return False

@@ -1,0 +1,219 @@
+"""llama-cpp-python's real server on the CPU, wrapped by the kvwatch ASGI middleware, with a
+tiny random-weight model: a stalled client holds its one generation lock until `kvwatch run`
+(enforce, cancel) cancels it through the hook; the waiting request is then served."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvwatch.stack import Service, free_port, wait_until_up
+from tests.e2e.conftest import Stack
+from tests.e2e.test_agent_loop import metric_value
+from tests.e2e.tiny_gguf import TinyLlama, ascii_forever_bias, write_tiny_llama
+
+pytest.importorskip("llama_cpp", reason="scripts/setup.sh builds llama-cpp-python")
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+
+MODEL = TinyLlama()
+ACTION_SECONDS = 30.0
+WRAPPED = "kvwatch.hook.asgi:wrapped_factory"
+UNWRAPPED = "llama_cpp.server.app:create_app"
+
+
+@dataclass
+class LlamaServer:
+    port: int
+    service: Service
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+def model_path(tmp_path: Path) -> Path:
+    return write_tiny_llama(tmp_path / "tiny.gguf", MODEL)
+
+
+@pytest.fixture
+def servers() -> Iterator[list[LlamaServer]]:
+    started: list[LlamaServer] = []
+    yield started
+    for server in started:
+        server.service.stop()
+
+
+def start_llama(
+    servers: list[LlamaServer], model_path: Path, factory: str, hook_socket: Path
+) -> LlamaServer:
+    """`uvicorn --factory FACTORY` serving llama-cpp-python's app (MODEL etc. from the env)."""
+    port = free_port()
+    log = model_path.parent / f"llama-{port}.log"
+    env = {
+        **os.environ,
+        "MODEL": str(model_path),
+        "N_CTX": str(MODEL.context_length),
+        "N_THREADS": "1",
+        # By default a new request interrupts the running stream (cutting a healthy client
+        # short); off, the one generation lock is held by whoever streams — stalled or not.
+        "INTERRUPT_REQUESTS": "false",
+        "KVWATCH_WRAP_FACTORY": UNWRAPPED,
+        "KVWATCH_ENGINE_SOCKET": str(hook_socket),
+    }
+    command = [sys.executable, "-m", "uvicorn", "--factory", factory, "--port", str(port)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = LlamaServer(port, Service("llama-cpp-python", process, log))
+    servers.append(server)
+    wait_until_up(f"{server.url}/v1/models", process, f"llama-cpp-python ({log})")
+    return server
+
+
+def completion(max_tokens: int, request_id: str, *, greedy: bool = False) -> bytes:
+    """A streaming completion; llama-cpp-python's server refuses (400) an X-Request-Id that
+    is not a UUID, so `request_id` is one."""
+    body = {
+        "prompt": "abc",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "logit_bias": ascii_forever_bias(),
+        **({"temperature": 0.0} if greedy else {}),
+    }
+    data = json.dumps(body).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"X-Request-Id: {request_id}\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    return head.encode() + data
+
+
+def stalled_client(port: int, request_id: str) -> socket.socket:
+    """Asks for a long stream, reads its first bytes, then never reads again."""
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.connect(("127.0.0.1", port))
+    client.sendall(completion(MODEL.context_length - 64, request_id))
+    assert client.recv(256), "the stream started"
+    return client
+
+
+@dataclass
+class Reader:
+    """A healthy client in a thread: reads its whole stream; `texts` are the tokens' text."""
+
+    port: int
+    request: bytes
+    texts: list[str] = field(default_factory=list)
+    complete: bool = False
+    done_at: float | None = None
+    error: BaseException | None = None
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=60) as client:
+                client.sendall(self.request)
+                data = bytearray()
+                while not data.endswith(b"0\r\n\r\n"):
+                    chunk = client.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+            self.texts = sse_texts(bytes(data))
+            self.complete = b"data: [DONE]" in data
+            self.done_at = time.monotonic()
+        except BaseException as exc:
+            self.error = exc
+
+
+def joined_row(stack: Stack, request_id: str) -> dict[str, Any]:
+    """The agent's `streams --json` row for `request_id`, once it has joined it."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        for row in httpx.get(f"{stack.agent_url}/api/v1/streams").json():
+            if row["request_id"] == request_id:
+                return dict(row)
+        time.sleep(0.05)
+    raise AssertionError(f"the agent never joined {request_id} to a socket")
+
+
+def sse_texts(raw: bytes) -> list[str]:
+    texts = []
+    for line in raw.decode("utf-8", "replace").splitlines():
+        if line.startswith("data: {"):
+            texts.append(json.loads(line[len("data: ") :])["choices"][0]["text"])
+    return texts
+
+
+def test_a_stalled_client_is_cancelled_and_the_waiting_request_served(
+    stack: Stack, servers: list[LlamaServer], model_path: Path
+) -> None:
+    server = start_llama(servers, model_path, WRAPPED, stack.hook_socket)
+    stack.start_agent("--mode", "enforce", "--action", "cancel", port=server.port)
+    healthy = Reader(server.port, completion(50, str(uuid.uuid4())))
+    healthy.start().join(60)
+    stack.wait_engine_connected()
+    stalled_id = str(uuid.uuid4())
+    stalled = stalled_client(server.port, stalled_id)
+    row = joined_row(stack, stalled_id)  # before the agent acts (it needs 2 s of stall)
+    time.sleep(1.0)  # the stalled request holds llama-cpp-python's generation lock now
+    waiting = Reader(server.port, completion(50, str(uuid.uuid4())))
+    asked_at = time.monotonic()
+    waiting.start().join(ACTION_SECONDS + 30)
+    with pytest.raises((ConnectionResetError, TimeoutError)):
+        stalled.settimeout(5)
+        while stalled.recv(65536):
+            pass
+    stalled.close()
+
+    assert healthy.error is None and healthy.complete
+    assert waiting.error is None and waiting.complete, waiting.error
+    assert waiting.done_at is not None
+    print(f"the waiting request was served {waiting.done_at - asked_at:.1f} s after it came")
+    decisions = stack.audit_entries("decision")
+    acted = [d for d in decisions if d["verdict"] == "act"]
+    assert {d["request_id"] for d in acted} == {stalled_id}, decisions
+    outcomes = [o for o in stack.audit_entries("outcome") if o["result"]["status"] == "cancelled"]
+    assert [o["request_id"] for o in outcomes] == [stalled_id]
+    context_kv_bytes = MODEL.context_length * MODEL.kv_bytes_per_token
+    assert (row["engine"], row["kv_bytes"], row["kv_estimated"]) == (
+        "llama-cpp-python",
+        context_kv_bytes,
+        True,
+    )
+    assert outcomes[0]["result"]["freed_bytes"] == context_kv_bytes
+    metrics = httpx.get(f"{stack.agent_url}/metrics").text
+    assert metric_value(metrics, "kvwatch_actions_reclaimed_kv_bytes_total") == context_kv_bytes
+
+
+def test_without_an_agent_the_server_answers_as_it_does_unwrapped(
+    tmp_path: Path, servers: list[LlamaServer], model_path: Path
+) -> None:
+    absent = tmp_path / "no-agent.sock"
+    texts = []
+    for factory in (WRAPPED, UNWRAPPED):
+        server = start_llama(servers, model_path, factory, absent)
+        reader = Reader(server.port, completion(40, str(uuid.uuid4()), greedy=True))
+        reader.start().join(60)
+        assert reader.error is None
+        texts.append(reader.texts)
+    assert len(texts[0]) >= 40
+    assert texts[0] == texts[1]

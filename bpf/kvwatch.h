@@ -19,7 +19,11 @@ enum kv_event_type {
 	KV_EVENT_SNDBUF_FULL_START = 3,
 	KV_EVENT_SNDBUF_FULL_END = 4,
 	KV_EVENT_CLOSE = 5,
+	KV_EVENT_ZERO_WINDOW_ANSWER = 6,	/* a segment during a zero window, still shut */
 };
+
+/* Answers during one zero window closer together than this send no further event. */
+#define KV_ZERO_WINDOW_ANSWER_GAP_NS 100000000ULL
 
 /* Indexes of the per-CPU counters in the kv_stats map. */
 enum kv_stat {

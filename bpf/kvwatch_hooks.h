@@ -216,14 +216,19 @@ static __always_inline int KV_FN(kv_on_send_tracepoint)(struct sock *sk, int ret
 		return 0;
 	return KV_FN(kv_on_send)(sk, ret, false);
 }
-/* ACK path (tcp_probe): every segment an established socket receives. */
+/*
+ * ACK path (tcp_probe): every segment an established socket receives. A segment that comes
+ * while the window is shut, acknowledges nothing new and leaves it shut is the peer's
+ * answer to a zero-window probe: the agent's proof that a stalled reader did not move, so
+ * it is sent as an event (at most one per KV_ZERO_WINDOW_ANSWER_GAP_NS).
+ */
 static __always_inline int KV_FN(kv_on_segment)(struct sock *sk, struct sk_buff *skb)
 {
 	struct kv_sock_record *rec;
 	struct kv_tcp_view view;
 	__u64 key = (__u64)sk;
 	__u64 now;
-	bool acked_new;
+	bool acked_new, answer;
 
 	if (!KV_FN(kv_port_allowed)(sk))
 		return 0;
@@ -237,9 +242,13 @@ static __always_inline int KV_FN(kv_on_segment)(struct sock *sk, struct sk_buff 
 		return 0;
 	acked_new = KV_FN(kv_apply_segment)(sk, skb, &view);
 	view.sndbuf_full = !acked_new && kv_sndbuf_full(view.wmem_queued, view.sndbuf);
+	answer = rec->zero_window_since_ns && view.peer_rwnd == 0 && !acked_new &&
+		 now - rec->last_ack_ns >= KV_ZERO_WINDOW_ANSWER_GAP_NS;
 	rec->acks++;
 	rec->last_ack_ns = now;
 	kv_commit(rec, &view, now);
+	if (answer)
+		kv_emit(rec, KV_EVENT_ZERO_WINDOW_ANSWER, now);
 	return 0;
 }
 /*

@@ -14,6 +14,7 @@ EVENT_ZERO_WINDOW_END = 2
 EVENT_SNDBUF_FULL_START = 3
 EVENT_SNDBUF_FULL_END = 4
 EVENT_CLOSE = 5
+EVENT_ZERO_WINDOW_ANSWER = 6
 
 EVENT_NAMES = {
     EVENT_ZERO_WINDOW_START: "zero_window_start",
@@ -21,6 +22,7 @@ EVENT_NAMES = {
     EVENT_SNDBUF_FULL_START: "sndbuf_full_start",
     EVENT_SNDBUF_FULL_END: "sndbuf_full_end",
     EVENT_CLOSE: "close",
+    EVENT_ZERO_WINDOW_ANSWER: "zero_window_answer",
 }
 
 STAT_NAMES = (

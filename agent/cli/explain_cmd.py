@@ -18,6 +18,7 @@ EVENT_TEXT = {
     "first_byte_to_client": "first byte to the client (first data ACKed)",
     "zero_window_start": "client's window closed (zero window)",
     "zero_window_end": "client's window reopened",
+    "zero_window_answer": "client answered a zero-window probe: window still shut",
     "sndbuf_full_start": "send buffer full",
     "sndbuf_full_end": "send buffer drained",
     "stall_conditions_began": "stall conditions began (data pending, no ACK progress)",

@@ -93,7 +93,7 @@ class Decider:
         self._event_id = 0
         self._decision_id = 0
         self._run_id = f"{time.time_ns() // 1_000_000:x}"
-        self._last: dict[int, tuple[tuple[int, str, str], dict[str, Any]]] = {}
+        self._last: dict[int, tuple[tuple[int, str, str], dict[str, Any], dict[str, Any]]] = {}
         self._acted: dict[int, int] = {}
 
     def add_event(self, kind: str, **fields: Any) -> None:
@@ -111,26 +111,29 @@ class Decider:
         engine = self.hooks.find(sample.local, sample.remote)
         view = self.joiner.view(sample, engine, now_ns, self.state_policy, judgement)
         decision = decide(candidate_of(view, now_ns), self.policy, self.budget, now_ns / 1e9)
-        ref = self._logged(view, decision, episode)
+        ref, evidence = self._logged(view, decision, episode)
         if decision.acts:
             self._acted[sample.key] = episode
         if decision.verdict == "act":
-            await self._carry_out(view, decision, ref)
+            await self._carry_out(view, decision, ref, evidence)
         if decision.verdict == "skip" and decision.reason in TRANSIENT_REASONS:
             return RECHECK_SECONDS
         return None
 
-    def _logged(self, view: StreamView, decision: Decision, episode: int) -> dict[str, Any]:
+    def _logged(
+        self, view: StreamView, decision: Decision, episode: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Counts and logs the decision when it is news for this episode; returns the
-        reference that ties its outcome lines to it."""
+        reference that ties its outcome lines to it and the evidence it was logged with
+        (gathered once per logged decision)."""
         sample, news = view.sample, (episode, decision.verdict, decision.reason)
         last = self._last.get(sample.key)
         if last is not None and last[0] == news:
-            return last[1]
+            return last[1], last[2]
         self.decisions[decision.verdict, decision.reason] += 1
         ref = self._reference(view)
-        self._last[sample.key] = (news, ref)
         entry = self.audit.record(decision, evidence_of(view), ref)
+        self._last[sample.key] = (news, ref, entry["evidence"])
         self.timelines.of(connection_id(sample.local, sample.remote)).add(
             view.now_ns,
             "decision",
@@ -148,7 +151,7 @@ class Decider:
             actions=list(decision.actions),
             evidence=entry["evidence"],
         )
-        return ref
+        return ref, entry["evidence"]
 
     def _reference(self, view: StreamView) -> dict[str, Any]:
         self._decision_id += 1
@@ -160,8 +163,13 @@ class Decider:
             "remote": str(view.sample.remote),
         }
 
-    async def _carry_out(self, view: StreamView, decision: Decision, ref: dict[str, Any]) -> None:
-        evidence = evidence_of(view)
+    async def _carry_out(
+        self,
+        view: StreamView,
+        decision: Decision,
+        ref: dict[str, Any],
+        evidence: dict[str, Any],
+    ) -> None:
         took_effect = False
         for action in decision.actions:
             if action == "cancel":

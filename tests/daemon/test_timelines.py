@@ -114,7 +114,7 @@ def test_diag_mode_explain_is_live_only_while_the_socket_exists(
             await wait_until(lambda: len(daemon.samples()) == 1)
             assert (await explain(daemon))["live"] is True
             (key,) = (sample.key for sample in daemon.samples())
-            daemon.decider._last[key] = ((0, "would_act", "stalled"), {})  # as after a decision
+            daemon.decider._last[key] = ((0, "would_act", "stalled"), {}, {})  # as after a decision
             client.close()
             accepted.close()
             await wait_until(lambda: daemon.timelines.find("cmpl-diag").closed)  # type: ignore[union-attr]

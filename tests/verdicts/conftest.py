@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kvwatch import stack as processes
+from kvwatch.client import get_json
 
 from .netlab import Link, NetLab
 from .readers import Reader
@@ -109,7 +110,7 @@ class Agent(processes.Stack):
         return rows
 
     def streams(self) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = httpx.get(f"{self.agent_url}/api/v1/streams", timeout=5).json()
+        rows: list[dict[str, Any]] = get_json(self.agent_url, "/api/v1/streams")
         return rows
 
     def metrics(self) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,9 @@ ROWS = (HOST_ROW, *(spec.name for spec in DEBIAN_KERNELS))
 HOST_TIMEOUT_SECONDS = 120.0
 VM_TIMEOUT_SECONDS = 600.0  # typical 90-240 s (BCC's compile: ~100 s emulated); ~400 s loaded
 OUTPUT_TAIL_CHARS = 3000
+# A VM run that ends this fast without results never reached the guest's tests (virtme-ng or
+# qemu failed to start: once in CI, exit 255 after 6 s, no output). It is tried once more.
+BOOT_FAILURE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,22 @@ def run_row(name: str, workdir: Path) -> RowResult:
         title, release = spec.title, tree.release
         how = "VM, KVM" if accelerator() == "kvm" else "VM, emulated CPU (TCG)"
         run = run_in_vm(tree, results_file, VM_TIMEOUT_SECONDS)
+        if _never_booted(run, results_file):
+            first = _why_no_results(run)
+            run = run_in_vm(tree, results_file, VM_TIMEOUT_SECONDS)
+            run = replace(run, output=f"(first boot failed: {first})\n{run.output}")
     results = json.loads(results_file.read_text()) if results_file.is_file() else None
     error = "" if results else _why_no_results(run)
     return RowResult(name, title, release, how, run, results, error)
+
+
+def _never_booted(run: Run, results_file: Path) -> bool:
+    return (
+        not results_file.is_file()
+        and run.returncode != 0
+        and not run.timed_out
+        and run.seconds < BOOT_FAILURE_SECONDS
+    )
 
 
 def _why_no_results(run: Run) -> str:

@@ -4,6 +4,8 @@
  * The logic lives in kvwatch_socket.h; this file holds the maps, the load-time settings and
  * thin hook wrappers. The send path has three variants (fentry, kprobe, sock_send_length raw
  * tracepoint); userspace autoloads exactly one of them.
+ * Records live in one of two tables, chosen at load time for every hook together: socket-local
+ * storage when every attached hook is BTF-typed (fentry, tp_btf), else the LRU hash.
  */
 #include <linux/types.h>
 #include <linux/bpf.h>
@@ -26,6 +28,14 @@ struct {
 	__type(value, struct kv_sock_record);
 } kv_sockets SEC(".maps");
 
+/* The same records in socket-local storage: found through the socket itself, freed with it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct kv_sock_record);
+} kv_socket_storage SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, KV_EVENTS_BYTES);
@@ -40,6 +50,9 @@ struct {
 
 const volatile struct kv_settings kv_settings = {};
 
+/* Set by the loader when every hook is BTF-typed: records go to kv_socket_storage. */
+const volatile bool kv_use_sk_storage = false;
+
 /* Typed, never written: keeps struct kv_event in the object's BTF for the layout check. */
 const volatile struct kv_event kv_event_layout = {};
 
@@ -53,16 +66,29 @@ static __always_inline void kv_stat_add(__u32 index)
 
 #define KV_NOW() bpf_ktime_get_ns()
 #define KV_SETTING(name) (kv_settings.name)
-#define KV_SOCKETS_LOOKUP(key) bpf_map_lookup_elem(&kv_sockets, key)
-#define KV_SOCKETS_INSERT(key, rec) bpf_map_update_elem(&kv_sockets, key, rec, BPF_NOEXIST)
-#define KV_SOCKETS_DELETE(key) bpf_map_delete_elem(&kv_sockets, key)
+/* The LRU table, keyed by the socket's address (key points to it). */
+#define KV_LRU_LOOKUP(key) bpf_map_lookup_elem(&kv_sockets, key)
+#define KV_LRU_INSERT(key, rec) bpf_map_update_elem(&kv_sockets, key, rec, BPF_NOEXIST)
+#define KV_LRU_DELETE(key) bpf_map_delete_elem(&kv_sockets, key)
 #define KV_EVENT_RESERVE() bpf_ringbuf_reserve(&kv_events, sizeof(struct kv_event), 0)
 #define KV_EVENT_SUBMIT(ev) bpf_ringbuf_submit(ev, 0)
 #define KV_STAT_ADD(index) kv_stat_add(index)
 
 #include "kvwatch_socket.h"
 
-/* Flavour 1, for BTF-typed programs (fentry, tp_btf): plain loads, checked by the verifier. */
+/*
+ * Flavour 1, for BTF-typed programs (fentry, tp_btf): plain loads, checked by the verifier.
+ * The key holds the socket's BTF-typed pointer, so socket-local storage can be used.
+ */
+#define KV_SK(key) ((struct sock *)*(key))
+#define KV_SOCKETS_LOOKUP(key) (kv_use_sk_storage ?					\
+	bpf_sk_storage_get(&kv_socket_storage, KV_SK(key), 0, 0) : KV_LRU_LOOKUP(key))
+#define KV_SOCKETS_INSERT(key, rec) (kv_use_sk_storage ?				\
+	(bpf_sk_storage_get(&kv_socket_storage, KV_SK(key), rec,			\
+			    BPF_SK_STORAGE_GET_F_CREATE) ? 0 : -KV_ENOMEM) :		\
+	KV_LRU_INSERT(key, rec))
+#define KV_SOCKETS_DELETE(key) (kv_use_sk_storage ?					\
+	bpf_sk_storage_delete(&kv_socket_storage, KV_SK(key)) : KV_LRU_DELETE(key))
 #define KV_FN(name) name##_btf
 #define KV_READ(dst, ptr, field) (*(dst) = (ptr)->field)
 #define KV_READ_BYTES(dst, ptr, field) __builtin_memcpy(dst, &(ptr)->field, sizeof((ptr)->field))
@@ -76,8 +102,14 @@ static __always_inline void kv_stat_add(__u32 index)
 #undef KV_SK_PROTOCOL
 #undef KV_SND_WSCALE
 #undef KV_TCP_SOCK
+#undef KV_SOCKETS_LOOKUP
+#undef KV_SOCKETS_INSERT
+#undef KV_SOCKETS_DELETE
 
 /* Flavour 2, for kprobe and raw_tp programs: every read through bpf_probe_read_kernel. */
+#define KV_SOCKETS_LOOKUP(key) KV_LRU_LOOKUP(key)
+#define KV_SOCKETS_INSERT(key, rec) KV_LRU_INSERT(key, rec)
+#define KV_SOCKETS_DELETE(key) KV_LRU_DELETE(key)
 #define KV_FN(name) name##_probed
 #define KV_READ(dst, ptr, field) BPF_CORE_READ_INTO(dst, ptr, field)
 #define KV_READ_BYTES(dst, ptr, field) BPF_CORE_READ_INTO(&(dst), ptr, field)
@@ -162,4 +194,15 @@ SEC("kprobe/tcp_send_probe0")
 int BPF_KPROBE(kv_probe0_kprobe, struct sock *sk)
 {
 	return kv_on_zero_window_probe_probed(sk);
+}
+
+/* The socket-local table, read by userspace: every record, in one read() of the iterator. */
+SEC("iter/bpf_sk_storage_map")
+int kv_dump_sockets(struct bpf_iter__bpf_sk_storage_map *ctx)
+{
+	struct kv_sock_record *rec = ctx->value;
+
+	if (rec && ctx->sk)
+		bpf_seq_write(ctx->meta->seq, rec, sizeof(*rec));
+	return 0;
 }

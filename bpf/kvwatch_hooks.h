@@ -116,42 +116,45 @@ static __always_inline bool KV_FN(kv_read_view)(struct sock *sk, struct kv_tcp_v
 	view->sndbuf = sndbuf > 0 ? sndbuf : 0;
 	return true;
 }
+/* The ACK, sequence and window of a segment; false when it carries no ACK (or is unreadable). */
+static __always_inline bool KV_FN(kv_read_segment)(struct tcp_sock *tp, struct sk_buff *skb,
+						   struct kv_segment *seg)
+{
+	struct kv_tcp_header th = {};
+	unsigned char *data = NULL;
+
+	KV_READ(&data, skb, data);
+	if (!data || bpf_probe_read_kernel(&th, sizeof(th), data))
+		return false;
+	if (!(th.flags & KV_TCP_FLAG_ACK))
+		return false;
+	seg->ack = bpf_ntohl(th.ack_seq);
+	seg->seq = bpf_ntohl(th.seq);
+	seg->window = bpf_ntohs(th.window);
+	if (!(th.flags & KV_TCP_FLAG_SYN))
+		seg->window <<= KV_SND_WSCALE(tp);
+	return true;
+}
 /*
  * tcp_probe fires before tcp_rcv_established processes the segment, so the socket still shows
  * the previous ACK. Apply this segment's ACK and window the way tcp_ack() is about to, so the
  * end of a zero-window episode is seen on the window update itself. Returns true when the
  * segment acknowledges new data.
  */
-static __always_inline bool KV_FN(kv_apply_segment)(struct sock *sk, struct sk_buff *skb,
-					     struct kv_tcp_view *view)
+static __always_inline bool KV_FN(kv_apply_segment)(struct tcp_sock *tp, const struct kv_segment *seg,
+						    struct kv_tcp_view *view)
 {
-	struct tcp_sock *tp = KV_TCP_SOCK(sk);
-	struct kv_tcp_header th = {};
-	unsigned char *data = NULL;
-	__u32 ack, seq, snd_wl1 = 0, window;
+	__u32 snd_wl1 = 0;
 	bool acked_new;
 
-	if (!tp)
-		return false;
-	KV_READ(&data, skb, data);
-	if (!data || bpf_probe_read_kernel(&th, sizeof(th), data))
-		return false;
-	if (!(th.flags & KV_TCP_FLAG_ACK))
-		return false;
-	ack = bpf_ntohl(th.ack_seq);
-	seq = bpf_ntohl(th.seq);
-	window = bpf_ntohs(th.window);
-	if (!(th.flags & KV_TCP_FLAG_SYN))
-		window <<= KV_SND_WSCALE(tp);
 	KV_READ(&snd_wl1, tp, snd_wl1);
-
-	acked_new = kv_seq_after(ack, view->snd_una) && !kv_seq_after(ack, view->snd_nxt);
-	if (acked_new || kv_seq_after(seq, snd_wl1) ||
-	    (seq == snd_wl1 && (window > view->peer_rwnd || window == 0)))
-		view->peer_rwnd = window;
+	acked_new = kv_seq_after(seg->ack, view->snd_una) && !kv_seq_after(seg->ack, view->snd_nxt);
+	if (acked_new || kv_seq_after(seg->seq, snd_wl1) ||
+	    (seg->seq == snd_wl1 && (seg->window > view->peer_rwnd || seg->window == 0)))
+		view->peer_rwnd = seg->window;
 	if (acked_new) {
-		view->bytes_acked += ack - view->snd_una;
-		view->snd_una = ack;
+		view->bytes_acked += seg->ack - view->snd_una;
+		view->snd_una = seg->ack;
 	}
 	return acked_new;
 }
@@ -220,27 +223,41 @@ static __always_inline int KV_FN(kv_on_send_tracepoint)(struct sock *sk, int ret
  * ACK path (tcp_probe): every segment an established socket receives. A segment that comes
  * while the window is shut, acknowledges nothing new and leaves it shut is the peer's
  * answer to a zero-window probe: the agent's proof that a stalled reader did not move, so
- * it is sent as an event (at most one per KV_ZERO_WINDOW_ANSWER_GAP_NS).
+ * it is sent as an event (at most one per KV_ZERO_WINDOW_ANSWER_GAP_NS). A segment that
+ * moves neither the ACK point nor the window while no episode is open only dates the last
+ * segment: the socket's other fields are the send path's and were committed there.
  */
 static __always_inline int KV_FN(kv_on_segment)(struct sock *sk, struct sk_buff *skb)
 {
 	struct kv_sock_record *rec;
+	struct tcp_sock *tp;
 	struct kv_tcp_view view;
+	struct kv_segment seg = {};
 	__u64 key = (__u64)sk;
 	__u64 now;
-	bool acked_new, answer;
+	bool has_ack, acked_new, answer;
 
 	if (!KV_FN(kv_port_allowed)(sk))
 		return 0;
-	now = KV_NOW();
+	tp = KV_TCP_SOCK(sk);
+	if (!tp)
+		return 0;
 	rec = KV_SOCKETS_LOOKUP(&key);
+	now = KV_NOW();
 	if (!rec && !kv_process_filter_on())
 		rec = KV_FN(kv_record_create)(sk, now);
 	if (!rec)
 		return 0;
+	has_ack = KV_FN(kv_read_segment)(tp, skb, &seg);
+	if (has_ack && seg.ack == rec->snd_una && seg.window == rec->peer_rwnd &&
+	    !rec->zero_window_since_ns && !rec->sndbuf_full_since_ns) {
+		rec->acks++;
+		rec->last_ack_ns = now;
+		return 0;
+	}
 	if (!KV_FN(kv_read_view)(sk, &view))
 		return 0;
-	acked_new = KV_FN(kv_apply_segment)(sk, skb, &view);
+	acked_new = has_ack && KV_FN(kv_apply_segment)(tp, &seg, &view);
 	view.sndbuf_full = !acked_new && kv_sndbuf_full(view.wmem_queued, view.sndbuf);
 	answer = rec->zero_window_since_ns && view.peer_rwnd == 0 && !acked_new &&
 		 now - rec->last_ack_ns >= KV_ZERO_WINDOW_ANSWER_GAP_NS;

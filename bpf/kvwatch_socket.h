@@ -21,6 +21,7 @@
 #define KV_TCP_CLOSE 7
 #define KV_TCP_CLOSE_WAIT 8
 #define KV_EEXIST 17
+#define KV_ENOMEM 12
 
 /* A socket's send side as one hook sees it, before it is folded into the record. */
 struct kv_tcp_view {
@@ -48,6 +49,13 @@ struct kv_tcp_header {
 	__u8 data_offset;
 	__u8 flags;
 	__be16 window;
+};
+
+/* What the ACK path uses of one incoming segment: host order, window scaled. */
+struct kv_segment {
+	__u32 seq;
+	__u32 ack;
+	__u32 window;
 };
 
 #define KV_TCP_FLAG_SYN 0x02

@@ -81,4 +81,19 @@ struct sk_buff {
 	unsigned char *data;
 } KV_CORE;
 
+/* What a BPF iterator over a socket-storage map hands each program run. */
+struct seq_file;
+struct bpf_map;
+
+struct bpf_iter_meta {
+	struct seq_file *seq;
+} KV_CORE;
+
+struct bpf_iter__bpf_sk_storage_map {
+	struct bpf_iter_meta *meta;
+	struct bpf_map *map;
+	struct sock *sk;
+	void *value;
+} KV_CORE;
+
 #endif /* KVWATCH_TYPES_H */

@@ -35,6 +35,7 @@ from kvwatch.bpf.loader import (
     send_program,
     tracepoint_programs,
 )
+from kvwatch.bpf.maps import HashTable, SocketTable
 from kvwatch.errors import BpfError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,11 @@ def _check_settings(settings: CollectorSettings) -> tuple[str, ...]:
             f"the BCC backend has no {settings.tracepoint_mode} tracepoints (they need BTF)",
             f"use --backend core for {settings.tracepoint_mode}, or leave the mode on auto",
         )
+    if settings.storage == "sk_storage":
+        raise ConfigError(
+            "the BCC backend keeps records in the LRU hash (socket-local storage needs BTF)",
+            "use --backend core for sk_storage, or leave the storage on auto",
+        )
     if settings.send_mode == "auto":
         return BCC_SEND_MODES
     if settings.send_mode not in BCC_SEND_MODES:
@@ -199,6 +205,7 @@ class BccPrograms:
         self._bpf = self._compile(import_bcc(), settings)
         try:
             self.sockets_fd = self._map_fd("kv_sockets")
+            self.table: SocketTable = HashTable(self.sockets_fd)
             self.events_fd = self._map_fd("kv_events")
             self.stats_fd = self._map_fd("kv_stats")
             self._write_settings(settings)

@@ -9,7 +9,7 @@ from typing import Literal, Protocol
 
 from kvwatch.bpf.layout import EVENT_NAMES, KvEvent, KvSockRecord
 from kvwatch.bpf.loader import AttachReport, BpfPrograms, CollectorSettings
-from kvwatch.bpf.maps import EventRing, read_raw_records, read_record, read_stats
+from kvwatch.bpf.maps import EventRing, SocketTable, read_stats
 from kvwatch.sockets import Endpoint, SocketSample, Source
 
 SEQ_MODULO = 1 << 32
@@ -84,7 +84,7 @@ class LoadedPrograms(Protocol):
     BCC (`BccPrograms`). Both fill the same maps with the same records and events."""
 
     report: AttachReport
-    sockets_fd: int
+    table: SocketTable
     events_fd: int
     stats_fd: int
 
@@ -119,7 +119,7 @@ class BpfCollector:
         """Every tracked socket. Only records whose bytes changed since the last call are
         converted again (on an idle node almost none are), so a sample's `observed_ns` is when
         its record was last read changed."""
-        raw_records = read_raw_records(self.programs.sockets_fd)
+        raw_records = self.programs.table.read_raw()
         now_ns = time.monotonic_ns()
         converted: dict[int, tuple[bytes, SocketSample]] = {}
         for key, raw in raw_records.items():
@@ -135,13 +135,14 @@ class BpfCollector:
         return [sample for _, sample in converted.values()]
 
     def sample(self, key: int) -> SocketSample | None:
-        record = read_record(self.programs.sockets_fd, key)
+        record = self.programs.table.read(key)
         return record_to_sample(record, time.monotonic_ns()) if record is not None else None
 
     def stats(self, tracked: int | None = None) -> dict[str, int]:
-        """Kernel-side counters; `evictions` are records the LRU map dropped to make room."""
+        """Kernel-side counters; `evictions` are records the LRU map dropped to make room
+        (socket-local storage never evicts: a record lives as long as its socket)."""
         totals = read_stats(self.programs.stats_fd)
-        live = tracked if tracked is not None else len(read_raw_records(self.programs.sockets_fd))
+        live = tracked if tracked is not None else len(self.programs.table.read_raw())
         totals["tracked"] = live
         removed = totals["records_created"] - totals["records_deleted"] - live
         totals["evictions"] = max(0, removed)

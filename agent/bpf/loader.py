@@ -8,6 +8,10 @@ are raw tracepoints: tp_btf where the kernel's BTF describes them (5.5+), else r
 BTF-typed programs read kernel memory with plain loads, the others through
 bpf_probe_read_kernel (several times slower per field). Zero-window probes are counted only
 where fentry or kprobe attach.
+
+Where every hook is BTF-typed (send fentry or tp_btf, tracepoints tp_btf), the records live in
+socket-local storage (found through the socket, freed with it) and are read through a BPF
+iterator; otherwise in the LRU hash, read in batches. Both hold the same records.
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ from pathlib import Path
 from kvwatch.bpf.btf import datasec_offset
 from kvwatch.bpf.layout import MAX_FILTER_PORTS, KvSettings
 from kvwatch.bpf.libbpf import BTF_KIND_TYPEDEF, check_ptr, check_rc, libbpf, privilege_hint
+from kvwatch.bpf.maps import HashTable, SocketTable, StorageTable
 from kvwatch.errors import BpfError, ConfigError
 
 log = logging.getLogger(__name__)
 
 SEND_MODES = ("fentry", "kprobe", "tp_btf", "raw_tp")
+STORAGES = ("sk_storage", "lru_hash")
+BTF_SEND_MODES = ("fentry", "tp_btf")
+STORAGE_ITERATOR = "kv_dump_sockets"
 TRACEPOINT_MODES = ("tp_btf", "raw_tp")
 SEND_TRACEPOINT = "sock_send_length"
 PROBE0_PROGRAMS = {"fentry": "kv_probe0_fentry", "kprobe": "kv_probe0_kprobe"}
@@ -36,6 +44,20 @@ TRACEPOINT_HOOKS = {
     "lifecycle": ("inet_sock_set_state", "kv_state"),
     "retransmit": ("tcp_retransmit_skb", "kv_retransmit"),
 }
+
+
+def storage_for(requested: str, send_mode: str, tracepoint_mode: str) -> str:
+    """Where records live under these modes: socket-local storage needs every hook BTF-typed."""
+    typed = send_mode in BTF_SEND_MODES and tracepoint_mode == "tp_btf"
+    if requested == "sk_storage" and not typed:
+        raise BpfError(
+            f"socket-local storage needs BTF-typed hooks, not send={send_mode} "
+            f"tracepoints={tracepoint_mode}",
+            "use --storage auto or lru_hash, or force fentry/tp_btf hooks",
+        )
+    if requested == "auto":
+        return "sk_storage" if typed else "lru_hash"
+    return requested
 
 
 def send_program(mode: str) -> str:
@@ -90,6 +112,7 @@ class CollectorSettings:
     max_sockets: int = 16384
     send_mode: str = "auto"
     tracepoint_mode: str = "auto"
+    storage: str = "auto"
 
     def kernel_settings(self) -> KvSettings:
         """The filters as the programs read them (struct kv_settings), for either toolchain."""
@@ -117,6 +140,11 @@ class CollectorSettings:
                 f"unknown send hook mode {self.send_mode!r}",
                 f"use one of auto, {', '.join(SEND_MODES)}",
             )
+        if self.storage not in ("auto", *STORAGES):
+            raise ConfigError(
+                f"unknown record storage {self.storage!r}",
+                f"use one of auto, {', '.join(STORAGES)}",
+            )
         if self.tracepoint_mode not in ("auto", *TRACEPOINT_MODES):
             raise ConfigError(
                 f"unknown tracepoint mode {self.tracepoint_mode!r}",
@@ -130,6 +158,7 @@ class AttachReport:
 
     hooks: dict[str, str] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    storage: str = "lru_hash"
 
     @property
     def send_mode(self) -> str:
@@ -137,7 +166,7 @@ class AttachReport:
 
     def describe(self) -> str:
         parts = [f"{hook}={mode}" for hook, mode in self.hooks.items()]
-        text = "BPF hooks attached: " + ", ".join(parts)
+        text = "BPF hooks attached: " + ", ".join(parts) + f"; records in {self.storage}"
         if self.rejected:
             reasons = "; ".join(f"{mode}: {why}" for mode, why in self.rejected.items())
             text += f" (send path fell back: {reasons})"
@@ -167,6 +196,7 @@ class _OpenObject:
         )
         self.links: list[int] = []
         self.hooks: dict[str, str] = {}
+        self.storage = storage_for(settings.storage, send_mode, tracepoint_mode)
         try:
             self._configure(settings, send_mode, tracepoint_mode)
             check_rc(self.lib.bpf_object__load(self.handle), f"load BPF programs ({send_mode})")
@@ -193,32 +223,38 @@ class _OpenObject:
         wanted = {send_program(send_mode), *tracepoint_programs(tracepoint_mode).values()}
         if send_mode in PROBE0_PROGRAMS:
             wanted.add(PROBE0_PROGRAMS[send_mode])
+        if self.storage == "sk_storage":
+            wanted.add(STORAGE_ITERATOR)
         prog = self.lib.bpf_object__next_program(self.handle, None)
         while prog:
             name = self.lib.bpf_program__name(prog).decode()
             check_rc(self.lib.bpf_program__set_autoload(prog, name in wanted), f"autoload {name}")
             prog = self.lib.bpf_object__next_program(self.handle, prog)
+        # The unused hash keeps one slot: the programs still name it.
+        hash_entries = settings.max_sockets if self.storage == "lru_hash" else 1
         check_rc(
-            self.lib.bpf_map__set_max_entries(self.map_handle("kv_sockets"), settings.max_sockets),
+            self.lib.bpf_map__set_max_entries(self.map_handle("kv_sockets"), hash_entries),
             "size kv_sockets",
         )
         self._write_settings(settings)
 
     def _write_settings(self, settings: CollectorSettings) -> None:
-        values = settings.kernel_settings()
+        self._write_rodata("kv_settings", settings.kernel_settings())
+        self._write_rodata("kv_use_sk_storage", ctypes.c_bool(self.storage == "sk_storage"))
+
+    def _write_rodata(self, name: str, value: ctypes.Structure | ctypes.c_bool) -> None:
         btf = check_ptr(self.lib.bpf_object__btf(self.handle), "read the object's BTF")
-        offset, size = datasec_offset(btf, ".rodata", "kv_settings")
-        if size != ctypes.sizeof(KvSettings):
+        offset, size = datasec_offset(btf, ".rodata", name)
+        if size != ctypes.sizeof(value):
             raise BpfError(
-                "struct kv_settings differs between BPF and Python",
-                "rebuild the BPF object with `make bpf`",
+                f"{name} differs between BPF and Python", "rebuild the BPF object with `make bpf`"
             )
         data_size = ctypes.c_size_t()
         data = check_ptr(
             self.lib.bpf_map__initial_value(self.map_handle(".rodata"), ctypes.byref(data_size)),
             "map .rodata",
         )
-        ctypes.memmove(data + offset, ctypes.addressof(values), size)
+        ctypes.memmove(data + offset, ctypes.addressof(value), size)
 
     def _attach(self, hook: str, program: str, mode: str) -> None:
         link = check_ptr(
@@ -260,9 +296,20 @@ class BpfPrograms:
         self.report = AttachReport()
         self._object = self._load(path or object_path(), settings)
         self.report.hooks = dict(self._object.hooks)
+        self.report.storage = self._object.storage
         self.sockets_fd = self._object.map_fd("kv_sockets")
         self.events_fd = self._object.map_fd("kv_events")
         self.stats_fd = self._object.map_fd("kv_stats")
+        self.table: SocketTable = HashTable(self.sockets_fd)
+        if self._object.storage == "sk_storage":
+            try:
+                self.table = StorageTable(
+                    self._object.program(STORAGE_ITERATOR),
+                    self._object.map_fd("kv_socket_storage"),
+                )
+            except BpfError:
+                self._object.close()
+                raise
         log.debug("%s", self.report.describe())
 
     def _load(self, path: Path, settings: CollectorSettings) -> _OpenObject:
@@ -310,6 +357,7 @@ class BpfPrograms:
         }
 
     def close(self) -> None:
+        self.table.close()
         self._object.close()
 
     def __enter__(self) -> BpfPrograms:

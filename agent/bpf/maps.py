@@ -1,11 +1,18 @@
-"""Reads kvwatch's BPF maps: socket records (batched), per-CPU counters, the edge ring buffer."""
+"""Reads kvwatch's BPF maps: socket records, per-CPU counters, the edge ring buffer.
+
+The socket records live in one of two tables (`SocketTable`): the LRU hash, read in batches
+of BATCH_RECORDS keys, or socket-local storage, which has no keys userspace can name and is
+read whole through a BPF iterator (one program run per record, one read() per ~32 KB)."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
 import logging
+import os
+import sys
 from collections.abc import Callable
+from typing import Protocol
 
 from kvwatch.bpf.layout import STAT_NAMES, KvEvent, KvSockRecord
 from kvwatch.bpf.libbpf import RingBufferSampleFn, check_ptr, check_rc, libbpf
@@ -90,6 +97,103 @@ def read_stats(map_fd: int) -> dict[str, int]:
         check_rc(lib.bpf_map_lookup_elem(map_fd, ctypes.byref(key), values), f"read {name}")
         totals[name] = sum(values)
     return totals
+
+
+class SocketTable(Protocol):
+    """Where the programs keep their socket records: every record by key, or one."""
+
+    def read_raw(self) -> dict[int, bytes]: ...
+
+    def read(self, key: int) -> KvSockRecord | None: ...
+
+    def close(self) -> None: ...
+
+
+class HashTable:
+    """The LRU hash (`kv_sockets`), keyed by the socket's kernel address."""
+
+    def __init__(self, map_fd: int) -> None:
+        self.map_fd = map_fd
+
+    def read_raw(self) -> dict[int, bytes]:
+        return read_raw_records(self.map_fd)
+
+    def read(self, key: int) -> KvSockRecord | None:
+        return read_record(self.map_fd, key)
+
+    def close(self) -> None:
+        """The map belongs to the programs' object: nothing of its own to free."""
+
+
+class BpfIterLinkInfo(ctypes.Structure):
+    """union bpf_iter_link_info, as its `map` member (the rest must be zero)."""
+
+    _fields_ = [("map_fd", ctypes.c_uint32), ("reserved", ctypes.c_uint32 * 3)]
+
+
+class BpfIterAttachOpts(ctypes.Structure):
+    """struct bpf_iter_attach_opts (libbpf)."""
+
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("link_info", ctypes.POINTER(BpfIterLinkInfo)),
+        ("link_info_len", ctypes.c_uint32),
+    ]
+
+
+ITERATOR_READ_BYTES = 1 << 20
+
+
+class StorageTable:
+    """Socket-local storage (`kv_socket_storage`), read through the `kv_dump_sockets`
+    iterator: each read is a fresh pass over every socket that holds a record. A record's
+    first field is its socket's address, the same key the hash table uses. Owns the
+    iterator link until closed."""
+
+    def __init__(self, program: int, map_fd: int) -> None:
+        lib = libbpf()
+        self._info = BpfIterLinkInfo(map_fd=map_fd)
+        opts = BpfIterAttachOpts(
+            sz=ctypes.sizeof(BpfIterAttachOpts),
+            link_info=ctypes.pointer(self._info),
+            link_info_len=ctypes.sizeof(BpfIterLinkInfo),
+        )
+        self._link = check_ptr(
+            lib.bpf_program__attach_iter(program, ctypes.byref(opts)),
+            "attach the socket-storage iterator",
+        )
+        self._link_fd = check_rc(lib.bpf_link__fd(self._link), "fd of the iterator link")
+        self._buffer = bytearray(ITERATOR_READ_BYTES)
+
+    def read_bytes(self) -> bytes:
+        """Every record, back to back, as the iterator wrote them."""
+        fd = check_rc(libbpf().bpf_iter_create(self._link_fd), "start a socket-storage read")
+        chunks: list[bytes] = []
+        view = memoryview(self._buffer)
+        try:
+            while count := os.readv(fd, [view]):
+                chunks.append(bytes(view[:count]))
+        finally:
+            os.close(fd)
+        return b"".join(chunks)
+
+    def read_raw(self) -> dict[int, bytes]:
+        data = self.read_bytes()
+        size = ctypes.sizeof(KvSockRecord)
+        records: dict[int, bytes] = {}
+        for offset in range(0, len(data) - size + 1, size):
+            raw = data[offset : offset + size]
+            records[int.from_bytes(raw[:8], sys.byteorder)] = raw
+        return records
+
+    def read(self, key: int) -> KvSockRecord | None:
+        raw = self.read_raw().get(key)
+        return KvSockRecord.from_buffer_copy(raw) if raw is not None else None
+
+    def close(self) -> None:
+        if self._link:
+            libbpf().bpf_link__destroy(self._link)
+            self._link = 0
 
 
 EventHandler = Callable[[KvEvent], None]

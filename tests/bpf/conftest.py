@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
 from kvwatch.bpf.collector import BpfCollector, SocketEvent
+from kvwatch.bpf.layout import KvSockRecord
 from kvwatch.bpf.loader import CollectorSettings
 from kvwatch.scenario import Scenario
 from kvwatch.sockets import SocketSample
 
 T = TypeVar("T")
+# Two programs on a hook run one after the other and read the clock separately; under
+# software emulation milliseconds can pass between them.
+CLOCK_TOLERANCE_NS = 200_000_000
+BYTE_FIELDS = {"saddr", "daddr", "comm"}
 
 
 def wait_for(produce: Callable[[], T | None], timeout_seconds: float, what: str) -> T:
@@ -62,10 +67,12 @@ def scenario() -> Iterator[Scenario]:
 
 
 # Both ways of reading kernel memory, on this kernel: BTF-typed programs with plain loads
-# (the best mode auto finds), and kprobe/raw_tp-style bpf_probe_read_kernel (raw tracepoints
-# throughout, as on kernels without tp_btf).
+# (the best mode auto finds; records in socket-local storage, or forced into the LRU hash),
+# and kprobe/raw_tp-style bpf_probe_read_kernel (raw tracepoints throughout, as on kernels
+# without tp_btf; records in the LRU hash).
 READING_FLAVOURS = {
     "btf": {"send_mode": "auto", "tracepoint_mode": "auto"},
+    "btf_lru": {"send_mode": "auto", "tracepoint_mode": "auto", "storage": "lru_hash"},
     "probed": {"send_mode": "raw_tp", "tracepoint_mode": "raw_tp"},
 }
 
@@ -100,3 +107,26 @@ class EventLog:
 
     def kinds_for(self, client_port: int) -> list[str]:
         return [e.kind for e in self.drain() if e.sample.remote.port == client_port]
+
+
+def record_fields(record: KvSockRecord) -> dict[str, Any]:
+    names = [field[0] for field in KvSockRecord._fields_]
+    return {
+        name: bytes(getattr(record, name)) if name in BYTE_FIELDS else getattr(record, name)
+        for name in names
+    }
+
+
+def differences(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+    """Each field where two views of a record disagree; clocks (`*_ns`) may differ by the
+    tolerance."""
+    found = []
+    for name, ours in first.items():
+        theirs = second[name]
+        if name.endswith("_ns"):
+            same = (ours == 0) == (theirs == 0) and abs(ours - theirs) <= CLOCK_TOLERANCE_NS
+        else:
+            same = ours == theirs
+        if not same:
+            found.append(f"{name}: {ours!r} vs {theirs!r}")
+    return found

@@ -91,9 +91,13 @@ def test_a_map_too_small_evicts_and_counts(
     collector = open_collector(ports=(scenario.port,), max_sockets=128)
     connect_idle(scenario, 400)
     stats = collector.stats()
+    assert stats["records_failed"] == 0
+    if collector.report.storage == "sk_storage":
+        # Socket-local storage has no size to outgrow: a record lives as long as its socket.
+        assert stats["tracked"] == 400 and stats["evictions"] == 0
+        return
     assert stats["tracked"] <= 128
     assert stats["evictions"] >= 400 - 128
-    assert stats["records_failed"] == 0
 
 
 def test_peer_window_agrees_with_the_kernels_tcp_info(

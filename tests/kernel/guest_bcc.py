@@ -22,23 +22,18 @@ from kvwatch.bpf.bcc import BCC_SEND_MODES, BCC_TRACEPOINT_MODE, bcc_status
 from kvwatch.bpf.collector import BpfCollector, SocketEvent, record_to_sample
 from kvwatch.bpf.layout import KvSockRecord
 from kvwatch.bpf.loader import CollectorSettings
-from kvwatch.bpf.maps import read_record
 from kvwatch.collect import auto_backend
 from kvwatch.errors import BpfError
 from kvwatch.scenario import Scenario, ScenarioClient
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.states import StatePolicy, StreamState, classify
-from tests.bpf.conftest import EventLog, wait_for
+from tests.bpf.conftest import EventLog, differences, record_fields, wait_for
 from tests.kernel.guest_modes import endpoint_of, server_side
 
 pytestmark = pytest.mark.bpf
 POLICY = StatePolicy(stall_seconds=2.0)
 WATCH_SECONDS = 2 * POLICY.stall_seconds + 0.5
-# Both programs on a hook run one after the other and read the clock separately; under
-# software emulation milliseconds can pass between them.
-CLOCK_TOLERANCE_NS = 200_000_000
 SETTLE_SECONDS = 5.0
-BYTE_FIELDS = {"saddr", "daddr", "comm"}
 STATUS = bcc_status()
 with_headers = pytest.mark.skipif(
     not STATUS.usable, reason=f"BCC cannot run on this kernel: {STATUS.problem}"
@@ -83,30 +78,8 @@ def pair() -> Iterator[Pair]:
             bcc.close()
 
 
-def record_fields(record: KvSockRecord) -> dict[str, Any]:
-    names = [field[0] for field in KvSockRecord._fields_]
-    return {
-        name: bytes(getattr(record, name)) if name in BYTE_FIELDS else getattr(record, name)
-        for name in names
-    }
-
-
 def sample_fields(sample: SocketSample) -> dict[str, Any]:
     return {field.name: getattr(sample, field.name) for field in dataclasses.fields(sample)}
-
-
-def differences(core: dict[str, Any], bcc: dict[str, Any]) -> list[str]:
-    """Each field where the two views disagree; clocks (`*_ns`) may differ by the tolerance."""
-    found = []
-    for name, ours in core.items():
-        theirs = bcc[name]
-        if name.endswith("_ns"):
-            same = (ours == 0) == (theirs == 0) and abs(ours - theirs) <= CLOCK_TOLERANCE_NS
-        else:
-            same = ours == theirs
-        if not same:
-            found.append(f"{name}: CO-RE {ours!r}, BCC {theirs!r}")
-    return found
 
 
 def agreeing_records(pair: Pair, key: int) -> tuple[KvSockRecord, KvSockRecord]:
@@ -116,9 +89,9 @@ def agreeing_records(pair: Pair, key: int) -> tuple[KvSockRecord, KvSockRecord]:
     deadline = time.monotonic() + SETTLE_SECONDS
     last = ["no quiet moment to read both records in"]
     while time.monotonic() < deadline:
-        before = read_record(pair.core.programs.sockets_fd, key)
-        theirs = read_record(pair.bcc.programs.sockets_fd, key)
-        after = read_record(pair.core.programs.sockets_fd, key)
+        before = pair.core.programs.table.read(key)
+        theirs = pair.bcc.programs.table.read(key)
+        after = pair.core.programs.table.read(key)
         if before is None or theirs is None or after is None:
             last = [f"record missing: CO-RE {before is not None}, BCC {theirs is not None}"]
         elif bytes(before) == bytes(after):
@@ -239,10 +212,10 @@ def test_close_removes_both_records_with_the_same_close_event(pair: Pair) -> Non
     client = pair.scenario.connect("healthy")
     peer = endpoint_of(client)
     key = server_key(pair, client)
-    wait_for(lambda: read_record(pair.bcc.programs.sockets_fd, key), 5.0, "BCC's record")
+    wait_for(lambda: pair.bcc.programs.table.read(key), 5.0, "BCC's record")
     client.close()
     ours, theirs = first_in_both(pair, peer, "close")
     assert differences(sample_fields(ours.sample), sample_fields(theirs.sample)) == []
-    assert read_record(pair.core.programs.sockets_fd, key) is None
-    assert read_record(pair.bcc.programs.sockets_fd, key) is None
+    assert pair.core.programs.table.read(key) is None
+    assert pair.bcc.programs.table.read(key) is None
     assert pair.core.stats()["records_deleted"] == pair.bcc.stats()["records_deleted"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvwatch.bpf.collector import BpfCollector, SocketEvent
-from kvwatch.bpf.loader import SEND_MODES, BpfPrograms, CollectorSettings
+from kvwatch.bpf.loader import BTF_SEND_MODES, SEND_MODES, BpfPrograms, CollectorSettings
 from kvwatch.diag.wire import parse_tcp_info
 from kvwatch.errors import BpfError
 from kvwatch.scenario import Scenario, ScenarioClient, abort
@@ -118,6 +118,8 @@ def first_event(events: EventLog, kind: str, peer: Endpoint) -> SocketEvent | No
 
 def test_hooks_attach_in_the_forced_modes(watched: Watched, combo: Combo, offers: Offers) -> None:
     assert watched.collector.report.hooks == combo.hook_modes(offers)
+    typed = combo.send in BTF_SEND_MODES and combo.tracepoint == "tp_btf"
+    assert watched.collector.report.storage == ("sk_storage" if typed else "lru_hash")
 
 
 @pytest.mark.exercises("send", "ack", "zero_window_probe")

@@ -200,6 +200,7 @@ class _OpenObject:
         try:
             self._configure(settings, send_mode, tracepoint_mode)
             check_rc(self.lib.bpf_object__load(self.handle), f"load BPF programs ({send_mode})")
+            self.modes = (send_mode, tracepoint_mode)
             self._attach_all(send_mode, tracepoint_mode)
         except BaseException:
             self.close()
@@ -274,10 +275,13 @@ class _OpenObject:
             except BpfError as exc:
                 log.info("zero-window probe hook not attached: %s", exc.message)
 
-    def close(self) -> None:
+    def detach(self) -> None:
         for link in self.links:
             self.lib.bpf_link__destroy(link)
         self.links.clear()
+
+    def close(self) -> None:
+        self.detach()
         if self.handle:
             self.lib.bpf_object__close(self.handle)
             self.handle = 0
@@ -355,6 +359,15 @@ class BpfPrograms:
             hook: self._object.lib.bpf_program__fd(self._object.program(program))
             for hook, program in names.items()
         }
+
+    def pause(self) -> None:
+        """Detaches every hook; the programs, maps and records stay (benchmarks alternate)."""
+        self._object.detach()
+
+    def resume(self) -> None:
+        """Attaches the hooks again, in the modes they had."""
+        if not self._object.links:
+            self._object._attach_all(*self._object.modes)
 
     def close(self) -> None:
         self.table.close()

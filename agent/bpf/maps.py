@@ -10,7 +10,6 @@ import ctypes
 import errno
 import logging
 import os
-import sys
 from collections.abc import Callable
 from typing import Protocol
 
@@ -141,7 +140,7 @@ class BpfIterAttachOpts(ctypes.Structure):
     ]
 
 
-ITERATOR_READ_BYTES = 1 << 20
+ITERATOR_READ_BYTES = 1 << 16
 
 
 class StorageTable:
@@ -163,27 +162,25 @@ class StorageTable:
             "attach the socket-storage iterator",
         )
         self._link_fd = check_rc(lib.bpf_link__fd(self._link), "fd of the iterator link")
-        self._buffer = bytearray(ITERATOR_READ_BYTES)
-
-    def read_bytes(self) -> bytes:
-        """Every record, back to back, as the iterator wrote them."""
-        fd = check_rc(libbpf().bpf_iter_create(self._link_fd), "start a socket-storage read")
-        chunks: list[bytes] = []
-        view = memoryview(self._buffer)
-        try:
-            while count := os.readv(fd, [view]):
-                chunks.append(bytes(view[:count]))
-        finally:
-            os.close(fd)
-        return b"".join(chunks)
 
     def read_raw(self) -> dict[int, bytes]:
-        data = self.read_bytes()
+        """Every record by key, read() after read(): the kernel hands out whole records,
+        ~32 KB a call, and each chunk is split as it comes (no copy of the whole table)."""
         size = ctypes.sizeof(KvSockRecord)
         records: dict[int, bytes] = {}
-        for offset in range(0, len(data) - size + 1, size):
-            raw = data[offset : offset + size]
-            records[int.from_bytes(raw[:8], sys.byteorder)] = raw
+        pending = b""
+        fd = check_rc(libbpf().bpf_iter_create(self._link_fd), "start a socket-storage read")
+        try:
+            while chunk := os.read(fd, ITERATOR_READ_BYTES):
+                data = pending + chunk if pending else chunk
+                whole = len(data) - len(data) % size
+                # Each record starts with its socket's address: every key in one strided view.
+                keys = memoryview(data)[:whole].cast("Q")[:: size // 8].tolist()
+                for index, key in enumerate(keys):
+                    records[key] = data[index * size : (index + 1) * size]
+                pending = data[whole:]
+        finally:
+            os.close(fd)
         return records
 
     def read(self, key: int) -> KvSockRecord | None:

@@ -23,7 +23,9 @@ HOOKS = {
     "zero_window_probe": "zero-window probe (`tcp_send_probe0`)",
 }
 SCENARIOS = (
-    "- the forced modes attach as asked;",
+    "- the forced modes attach as asked, and the records live where those modes put them:",
+    "  socket-local storage when every hook is BTF-typed (fentry or tp_btf send, tp_btf",
+    "  tracepoints), else the LRU hash;",
     "- a stalled client is found while a slow-but-draining reader and an idle connection never",
     "  are; the writer's pid is recorded (send hook), zero-window probes are counted where that",
     "  hook attaches, and the peer window equals the kernel's own (tcp_info);",

@@ -9,6 +9,8 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 
+struct sock;
+
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
 struct {
@@ -60,5 +62,26 @@ int BPF_PROG(calibrate_hash_lookup, void *sk)
 
 	if (!value)
 		bpf_map_update_elem(&calibrate_hash, &key, &zero, BPF_NOEXIST);
+	return 0;
+}
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, __u64);
+} calibrate_storage_map SEC(".maps");
+
+/* One socket-local storage lookup (created on first use), as kvwatch's BTF-typed handlers do. */
+SEC("tp_btf/tcp_probe")
+int BPF_PROG(calibrate_storage, struct sock *sk)
+{
+	return bpf_sk_storage_get(&calibrate_storage_map, sk, 0, BPF_SK_STORAGE_GET_F_CREATE) == 0;
+}
+
+/* Nothing at all, on the send path's tracepoint (Linux 6.3+). */
+SEC("tp_btf/sock_send_length")
+int BPF_PROG(calibrate_empty_send, void *sk)
+{
 	return 0;
 }

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 from kvwatch.audit import AuditLog
 from kvwatch.config import PolicyConfig
 from kvwatch.daemon.actions import Actions
-from kvwatch.daemon.hook_server import HookServer
+from kvwatch.daemon.hook_registry import EngineStream
 from kvwatch.daemon.join import Joiner, StreamView
+from kvwatch.daemon.relay import RelayLink
 from kvwatch.daemon.timeline import Timelines, connection_id
 from kvwatch.daemon.watch import episode_of
-from kvwatch.policy import CancelBudget, Candidate, Decision, decide
+from kvwatch.policy import CancelBudget, Candidate, Decision, Owner, decide
 from kvwatch.sockets import SocketSample
 from kvwatch.states import StallJudgement
 
@@ -58,7 +60,18 @@ def candidate_of(view: StreamView, now_ns: int) -> Candidate:
         container_id=process.container_id if process is not None else "",
         pod_uid=process.pod_uid if process is not None else "",
         has_engine_hook=engine is not None,
+        relay=_relay_owner(view),
+        relay_status=view.relay.status if view.relay is not None else None,
     )
+
+
+def _relay_owner(view: StreamView) -> Owner | None:
+    if view.relay is None:
+        return None
+    process = view.relay_process
+    if process is None:
+        return Owner(view.relay.relay_comm)
+    return Owner(process.comm, process.cgroup_path, process.container_id, process.pod_uid)
 
 
 class Decider:
@@ -74,7 +87,7 @@ class Decider:
     def __init__(
         self,
         policy: PolicyConfig,
-        hooks: HookServer,
+        behind: Callable[[SocketSample], tuple[EngineStream | None, RelayLink | None]],
         joiner: Joiner,
         actions: Actions,
         audit: AuditLog,
@@ -82,7 +95,7 @@ class Decider:
     ) -> None:
         self.policy = policy
         self.state_policy = policy.state_policy()
-        self.hooks = hooks
+        self.behind = behind
         self.joiner = joiner
         self.actions = actions
         self.audit = audit
@@ -108,8 +121,8 @@ class Decider:
         if self._acted.get(sample.key) == episode:
             return None
         now_ns = time.monotonic_ns()
-        engine = self.hooks.find(sample.local, sample.remote)
-        view = self.joiner.view(sample, engine, now_ns, self.state_policy, judgement)
+        engine, relay = self.behind(sample)
+        view = self.joiner.view(sample, engine, now_ns, self.state_policy, judgement, relay)
         decision = decide(candidate_of(view, now_ns), self.policy, self.budget, now_ns / 1e9)
         ref, evidence = self._logged(view, decision, episode)
         if decision.acts:
@@ -170,14 +183,15 @@ class Decider:
         ref: dict[str, Any],
         evidence: dict[str, Any],
     ) -> None:
-        took_effect = False
+        took_effect = cancelled = False
         for action in decision.actions:
             if action == "cancel":
                 result = await self.actions.cancel(view, decision.reason, evidence)
+                cancelled = result["status"] == "cancelled"
             else:
-                result = await self.actions.reset(view, decision.reason)
+                result = await self.actions.reset(view, decision.reason, follow=not cancelled)
             took_effect = took_effect or result["status"] in TOOK_EFFECT
-            if action == "cancel":
+            if "freed_bytes" in result:
                 result["estimated"] = evidence["kv_estimated"]
             self.audit.record_outcome(ref, action, result)
             event = "cancel_acknowledged" if action == "cancel" else "reset_done"

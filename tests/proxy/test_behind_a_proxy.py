@@ -5,9 +5,9 @@ watches the proxy's port and the engine's; the proxy sends X-Forwarded-For.
 - small buffers: the stalled client's request is cancelled through the engine hook (its KV
   freed and counted), then its socket at the proxy is reset; a healthy client and one that
   reads slowly but above the reader guarantee, through the same proxy, finish untouched;
-- default buffers: the proxy and the kernel absorb megabytes, so the engine never blocks. A
-  long request is still cancelled early, through the chain; a short one has finished at the
-  engine when its client's stall is judged, and is left alone ("request_ended");
+- default buffers: the proxy and the kernel absorb megabytes, so the engine finishes the
+  request on its own while its client is stalled: that client is left alone, even with
+  reset configured ("request_ended");
 - upstream keep-alive: a client socket stalled on an earlier request does not inherit the
   next request its upstream connection carries.
 """
@@ -34,9 +34,9 @@ from tests.verdicts.readers import Buffer, Reader
 pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
 
 GUARANTEE = 4096  # the agent's default min_reader_bytes_per_second
-FAST_GUARANTEE = 65536  # default buffers: the guarantee's wait shrinks 16-fold
+FAST_GUARANTEE = 65536  # default buffers: the guarantee's wait (B / rate) shrinks 16-fold
 LONG_TOKENS = 1400  # ~250 KB, ~3 s at the reference engine's ~500 tokens/s (context: 2048)
-SHORT_TOKENS = 500  # ~90 KB, done in ~1 s: fits in the default buffers
+SHORT_TOKENS = 500  # ~90 KB, done in ~1 s
 SETTLE_SECONDS = 12.0
 
 
@@ -143,47 +143,40 @@ def test_a_stalled_client_is_cancelled_reset_and_counted_and_live_ones_are_not_t
     )
 
 
-def test_default_buffers_a_long_request_is_cancelled_a_finished_one_left_alone(
+def test_default_buffers_a_request_that_finished_into_them_is_left_alone(
     proxied: tuple[Stack, Proxy],
 ) -> None:
+    """The proxy's and the kernel's default buffers absorb the whole response: the engine
+    finishes and frees the KV on its own. Even with reset configured, the stalled client is
+    not cut: its request has ended, and the decision says so."""
     stack, proxy = proxied
-    start_agent(stack, proxy, "--min-reader-rate", str(FAST_GUARANTEE))
-    long = through(proxy, client("long", "default", 0, read_seconds=0), LONG_TOKENS)
-    short = through(proxy, client("short", "default", 0, read_seconds=0), SHORT_TOKENS)
+    start_agent(stack, proxy, "--action", "reset", "--min-reader-rate", str(FAST_GUARANTEE))
+    held = through(proxy, client("held", "default", 0, read_seconds=0), LONG_TOKENS)
     try:
-        wait_for(
-            lambda: any(d["request_id"] == "cmpl-long" for d in stack.audit_entries("decision")),
+        decision = wait_for(
+            lambda: next(iter(stack.audit_entries("decision")), None),
             SETTLE_SECONDS,
-            "a decision on the long request",
+            "a decision on the stalled client",
         )
-        short_row = wait_for(
-            lambda: (row := stream_row(stack, short.local))
-            and row["relay"]
-            and row["relay"]["status"] == "request_ended"
-            and row,
-            SETTLE_SECONDS,
-            "the short request's client socket shown as request_ended",
-        )
-        time.sleep(2)  # long enough for any decision on the short one
+        row = stream_row(stack, held.local)
+        time.sleep(1)
     finally:
-        long.close()
-        short.close()
-    assert short_row["request_id"] is None
-    decisions = stack.audit_entries("decision")
-    acted = [d for d in decisions if d["verdict"] == "act"]
-    assert [d["request_id"] for d in acted] == ["cmpl-long"], decisions
-    assert not [
-        d for d in decisions if d["evidence"]["remote"] == short.local and d["verdict"] == "act"
-    ]
-    outcomes = {o["action"]: o["result"] for o in stack.audit_entries("outcome")}
-    assert outcomes["cancel"]["status"] == "cancelled"
+        held.close()
+    assert (decision["verdict"], decision["reason"]) == ("skip", "request_ended"), decision
+    assert decision["evidence"]["remote"] == held.local
+    assert row is not None and row["relay"]["status"] == "request_ended", row
+    assert not stack.audit_entries("outcome")
+    assert not held.reset_ns
+    engine_metrics = httpx.get(f"{stack.engine_url}/metrics").text
+    assert metric_value(engine_metrics, "kvwatch_engine:kv_cache_blocks_used") == 0
 
 
 def test_a_client_stalled_on_an_earlier_request_does_not_inherit_the_next(
     proxied: tuple[Stack, Proxy],
 ) -> None:
     """One request finishes into a stalled client's buffers; the upstream connection it came
-    on is kept alive and carries the next client's request. Observe mode: nothing acts."""
+    on is kept alive and may carry the next client's request (nginx's keepalive pool, haproxy's
+    http-reuse), with two workers or threads. Observe mode: nothing acts."""
     stack, proxy = proxied
     stack.start_agent("--port", str(stack.engine_port), port=proxy.port)
     stack.wait_engine_connected()
@@ -205,5 +198,8 @@ def test_a_client_stalled_on_an_earlier_request_does_not_inherit_the_next(
             second.close()
     assert second_row["request_id"] == "cmpl-second", second_row
     assert second_row["relay"]["status"] == "joined", second_row
-    assert first_row is not None and first_row["request_id"] is None, first_row
-    assert first_row["relay"]["status"] in ("request_ended", "ambiguous"), first_row
+    # haproxy closes a client connection whose response it has handed to the kernel; nginx
+    # keeps it, and often hands its upstream connection to the next request.
+    if first_row is not None:
+        assert first_row["request_id"] is None, first_row
+        assert first_row["relay"]["status"] == "request_ended", first_row

@@ -147,7 +147,8 @@ class Decider:
         ref = self._reference(view)
         entry = self.audit.record(decision, evidence_of(view), ref)
         self._last[sample.key] = (news, ref, entry["evidence"])
-        self.timelines.of(connection_id(sample.local, sample.remote)).add(
+        self._note(
+            view,
             view.now_ns,
             "decision",
             decision_id=ref["decision_id"],
@@ -165,6 +166,16 @@ class Decider:
             evidence=entry["evidence"],
         )
         return ref, entry["evidence"]
+
+    def _note(self, view: StreamView, ts_ns: int, event: str, **fields: Any) -> None:
+        """Adds an entry to the socket's timeline and, for a socket behind a proxy, to the
+        timeline of the engine connection whose request it carries (so `explain` by request
+        id shows what was decided at the proxy)."""
+        sockets = [(view.sample.local, view.sample.remote)]
+        if view.relay is not None and view.engine is not None:
+            sockets.append((view.engine.local, view.engine.remote))
+        for local, remote in sockets:
+            self.timelines.of(connection_id(local, remote)).add(ts_ns, event, **fields)
 
     def _reference(self, view: StreamView) -> dict[str, Any]:
         self._decision_id += 1
@@ -195,9 +206,7 @@ class Decider:
                 result["estimated"] = evidence["kv_estimated"]
             self.audit.record_outcome(ref, action, result)
             event = "cancel_acknowledged" if action == "cancel" else "reset_done"
-            self.timelines.of(connection_id(view.sample.local, view.sample.remote)).add(
-                time.monotonic_ns(), event, decision_id=ref["decision_id"], **result
-            )
+            self._note(view, time.monotonic_ns(), event, decision_id=ref["decision_id"], **result)
             self.add_event("outcome", **ref, action=action, **result)
         if not took_effect:
             self.budget.give_back()

@@ -15,6 +15,7 @@ watches the proxy's port and the engine's; the proxy sends X-Forwarded-For.
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ import pytest
 from kvwatch import demo
 from kvwatch.client import get_json
 from kvwatch.loadgen.http import Target, build_request, completion_body
+from kvwatch.stack import kvwatch_command
 from tests.e2e.conftest import Stack
 from tests.e2e.test_agent_loop import metric_value
 from tests.proxy.proxies import PROXIES, Proxy, start_proxy
@@ -141,6 +143,11 @@ def test_a_stalled_client_is_cancelled_reset_and_counted_and_live_ones_are_not_t
         metric_value(agent_metrics, "kvwatch_actions_reclaimed_kv_bytes_total")
         == outcomes["cancel"]["freed_bytes"]
     )
+    explained = subprocess.run(
+        [*kvwatch_command(), "explain", "cmpl-held", "--url", stack.agent_url],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert relay["chain"] in explained and "cancelled, freed" in explained, explained
 
 
 def test_default_buffers_a_request_that_finished_into_them_is_left_alone(

@@ -230,9 +230,7 @@ class Daemon:
         views = []
         for sample in self._samples.values():
             engine, relay = self.behind(sample, index)
-            views.append(
-                self.joiner.view(sample, engine, now_ns, self.state_policy, relay=relay)
-            )
+            views.append(self.joiner.view(sample, engine, now_ns, self.state_policy, relay=relay))
         return views
 
     # -- edges, stalls and engine streams ------------------------------------------------

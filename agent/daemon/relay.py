@@ -60,7 +60,11 @@ class RelayLink:
     def chain(self, client: Endpoint, request_id: str | None) -> str:
         """`client ⇄ nginx[812] ⇄ engine request cmpl-1`, for people."""
         relay = f"{self.relay_comm or 'relay'}[{self.relay_pid}]"
-        far = f"engine request {request_id}" if request_id else f"{self.feeder.remote} ({self.status})"
+        far = (
+            f"engine request {request_id}"
+            if request_id
+            else f"{self.feeder.remote} ({self.status})"
+        )
         return f"{client} ⇄ {relay} ⇄ {far}"
 
     def to_json(self) -> dict[str, Any]:

@@ -71,7 +71,9 @@ def _request(row: Row) -> str:
     request = str(row.get("request_id") or "-")
     if not isinstance(relay, dict):
         return clip(request, 16)
-    return clip("⇄" + (request if relay.get("status") == "joined" else str(relay.get("status"))), 16)
+    return clip(
+        "⇄" + (request if relay.get("status") == "joined" else str(relay.get("status"))), 16
+    )
 
 
 def _kv(row: Row) -> str:

@@ -100,7 +100,11 @@ def fed_by(collector: BpfCollector, downstream: Link, upstream: Link, feeds: int
         if sample is None or sample.feeder is None:
             return None
         feeder = sample.feeder
-        return sample if (feeder.local, feeder.remote, feeder.feeds) == (local, remote, feeds) else None
+        return (
+            sample
+            if (feeder.local, feeder.remote, feeder.feeds) == (local, remote, feeds)
+            else None
+        )
 
     try:
         return wait_for(paired, 2.0, f"the client-facing socket fed by {local} ({feeds} feeds)")

@@ -1,8 +1,9 @@
 """The engine with its kvwatch hook, against a minimal real agent on a unix socket.
 
 The agent sees hello, then open with the client connection's 4-tuple exactly as the server
-socket has it (whatever X-Forwarded-For or Forwarded say), then updates; its cancel frees exactly that request's blocks, once, the client
-sees a reset, and the stream closes as "cancelled". With no agent, the engine just serves.
+socket has it (whatever X-Forwarded-For or Forwarded say), then updates; its cancel frees
+exactly that request's blocks, once, the client sees a reset, and the stream closes as
+"cancelled". With no agent, the engine just serves.
 """
 
 from __future__ import annotations

@@ -121,13 +121,23 @@ def start_proxy(name: str, workdir: Path, upstream_port: int, small_buffers: boo
     if name == "nginx":
         (workdir / "nginx-temp").mkdir(exist_ok=True)
         config.write_text(nginx_config(workdir, port, upstream_port, small_buffers))
-        command = [binary, "-c", str(config), "-p", str(workdir), "-e", str(workdir / "nginx-error.log")]
+        command = [
+            binary,
+            "-c",
+            str(config),
+            "-p",
+            str(workdir),
+            "-e",
+            str(workdir / "nginx-error.log"),
+        ]
     else:
         config.write_text(haproxy_config(workdir, port, upstream_port, small_buffers))
         command = [binary, "-f", str(config), "-db"]
     log = workdir / f"{name}.log"
     with log.open("wb") as out:
-        popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        popen = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     proxy = Proxy(name, port, popen, log)
     deadline = time.monotonic() + START_SECONDS
     while time.monotonic() < deadline:

@@ -128,7 +128,10 @@ def test_a_stalled_client_is_cancelled_reset_and_counted_and_live_ones_are_not_t
     assert [d["request_id"] for d in acted] == ["cmpl-held"], decisions
     relay = acted[0]["evidence"]["relay"]
     assert relay["status"] == "joined", relay
-    assert relay["chain"] == f"{held.local} ⇄ {relay['comm']}[{relay['pid']}] ⇄ engine request cmpl-held"
+    assert (
+        relay["chain"]
+        == f"{held.local} ⇄ {relay['comm']}[{relay['pid']}] ⇄ engine request cmpl-held"
+    )
     assert relay["comm"] == proxy.name, relay
     outcomes = {o["action"]: o["result"] for o in stack.audit_entries("outcome")}
     assert outcomes["cancel"]["status"] == "cancelled" and outcomes["cancel"]["freed_bytes"] > 0

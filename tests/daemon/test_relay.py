@@ -88,3 +88,22 @@ def test_a_socket_the_engine_announced_is_joined_directly() -> None:
     sample = stalled_sample().with_changes(local=ENGINE, remote=UPSTREAM)
     engine, link = RelayIndex([sample]).behind(sample, Engines(direct))
     assert engine == direct and link is None
+
+
+def test_a_request_seen_at_the_proxy_and_the_engine_counts_its_kv_once() -> None:
+    from kvwatch.daemon.join import StreamView
+    from kvwatch.exporters.streams import by_request
+    from kvwatch.states import StatePolicy, StreamState, judge
+
+    policy = StatePolicy(stall_seconds=3.0)
+    stream = request("cmpl-1", 1_000)
+    at_proxy = proxy_socket(feeds=40, misses=0, fed_ns=2_000)
+    at_engine = stalled_sample().with_changes(local=ENGINE, remote=UPSTREAM)
+
+    def view(sample: SocketSample, state: StreamState) -> StreamView:
+        judgement = judge(sample, sample.observed_ns, policy)
+        return StreamView(sample, judgement, state, policy, stream, None, (), sample.observed_ns)
+
+    views = [view(at_engine, StreamState.ZERO_WINDOW), view(at_proxy, StreamState.STALLED)]
+    (counted,) = by_request(views)
+    assert counted.state is StreamState.STALLED and counted.sample is at_proxy

@@ -38,7 +38,7 @@ WATCH_SECONDS = 2 * POLICY.stall_seconds + 0.5
 # software emulation milliseconds can pass between them.
 CLOCK_TOLERANCE_NS = 200_000_000
 SETTLE_SECONDS = 5.0
-BYTE_FIELDS = {"saddr", "daddr", "comm"}
+BYTE_FIELDS = {"saddr", "daddr", "comm", "feeder"}
 STATUS = bcc_status()
 with_headers = pytest.mark.skipif(
     not STATUS.usable, reason=f"BCC cannot run on this kernel: {STATUS.problem}"

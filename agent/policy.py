@@ -9,6 +9,9 @@
    ("not_allowed_by_rule"). Behind a proxy the deny rules hold for the relaying process too;
 3a. a proxy's client socket whose engine request has already ended pins no KV
    ("request_ended": the rest of the response waits in buffers and finishes on its own);
+   one whose request kvwatch cancelled (judged first on the engine's own socket) is reset
+   at once, whatever `policy.actions` says, so its client is not left waiting: the checks
+   below are for the cancel, which is done;
 4. the stream is at least `grace_seconds` old ("in_grace");
 5. it holds at least `min_kv_bytes` ("below_min_kv"). A stream no engine announced has no known
    KV size: with `min_kv_bytes` = 0 it qualifies, for the `reset` action only (cancel needs the
@@ -207,6 +210,8 @@ def _refusal(candidate: Candidate, config: PolicyConfig) -> Decision | None:
             "the engine request behind this proxy socket has ended; the rest of its response "
             "waits in buffers and pins no KV",
         )
+    if candidate.relay_status == "request_cancelled":
+        return None
     if candidate.age_seconds < config.grace_seconds:
         return _skip(
             "in_grace",
@@ -228,6 +233,8 @@ def _refusal(candidate: Candidate, config: PolicyConfig) -> Decision | None:
 
 def possible_actions(candidate: Candidate, config: PolicyConfig) -> tuple[str, ...]:
     """The configured actions that can be carried out on this stream, in configured order."""
+    if candidate.relay_status == "request_cancelled":
+        return ("reset",)  # the client socket of a request kvwatch already cancelled
     can_cancel = (
         candidate.has_engine_hook
         and candidate.request_id is not None

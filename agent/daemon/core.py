@@ -221,12 +221,15 @@ class Daemon:
         """The engine request a socket carries (announced on it, or on the upstream of the
         proxy that writes it) and the relay link it came through; `index` is the relays of
         the current socket table, built here when the caller has none."""
-        relays = index if index is not None else RelayIndex(self._samples.values())
+        relays = index if index is not None else self._relays()
         return relays.behind(sample, self.hooks)
+
+    def _relays(self) -> RelayIndex:
+        return RelayIndex(self._samples.values(), self.decider.cancels)
 
     def stream_views(self) -> list[StreamView]:
         now_ns = time.monotonic_ns()
-        index = RelayIndex(self._samples.values())
+        index = self._relays()
         views = []
         for sample in self._samples.values():
             engine, relay = self.behind(sample, index)

@@ -12,7 +12,7 @@ from kvwatch.config import PolicyConfig
 from kvwatch.daemon.actions import Actions
 from kvwatch.daemon.hook_registry import EngineStream
 from kvwatch.daemon.join import Joiner, StreamView
-from kvwatch.daemon.relay import RelayLink
+from kvwatch.daemon.relay import Cancels, RelayLink
 from kvwatch.daemon.timeline import Timelines, connection_id
 from kvwatch.daemon.watch import episode_of
 from kvwatch.policy import CancelBudget, Candidate, Decision, Owner, decide
@@ -108,6 +108,7 @@ class Decider:
         self._run_id = f"{time.time_ns() // 1_000_000:x}"
         self._last: dict[int, tuple[tuple[int, str, str], dict[str, Any], dict[str, Any]]] = {}
         self._acted: dict[int, int] = {}
+        self.cancels = Cancels()
 
     def add_event(self, kind: str, **fields: Any) -> None:
         self._event_id += 1
@@ -199,6 +200,8 @@ class Decider:
             if action == "cancel":
                 result = await self.actions.cancel(view, decision.reason, evidence)
                 cancelled = result["status"] == "cancelled"
+                if cancelled and view.engine is not None:
+                    self.cancels.add(view.engine, time.monotonic_ns())
             else:
                 result = await self.actions.reset(view, decision.reason, follow=not cancelled)
             took_effect = took_effect or result["status"] in TOOK_EFFECT

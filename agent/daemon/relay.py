@@ -17,12 +17,16 @@ clear. Each link has one status:
 - `request_ended`: the upstream's peer is a hooked engine's server address, but no live
   request there is the one this socket carried: it finished, the rest of its response waits
   in the proxy's or the kernel's buffers, and no KV is pinned for it;
+- `request_cancelled`: kvwatch itself cancelled the request this socket carried (it was
+  judged on the engine's own socket first); the client socket is still waiting at the proxy
+  for a response that will never come;
 - `no_engine`: no engine announced streams on the upstream's peer (an engine without the
   hook, or one reached through an address the node rewrites, such as a Service's virtual IP).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -31,8 +35,35 @@ from kvwatch.daemon.hook_registry import EngineStream
 from kvwatch.sockets import Endpoint, Feeder, SocketSample
 
 MIN_FEEDS = 3
-RelayStatus = Literal["joined", "ambiguous", "request_ended", "no_engine"]
+MAX_CANCELS_REMEMBERED = 4096
+RelayStatus = Literal["joined", "ambiguous", "request_ended", "request_cancelled", "no_engine"]
 UpstreamKey = tuple[Endpoint, Endpoint]
+
+
+@dataclass(frozen=True)
+class CancelledRequest:
+    """A request kvwatch cancelled, on the engine socket `engine_local` ⇄ `engine_remote`."""
+
+    request_id: str
+    opened_ns: int
+    cancelled_ns: int
+
+
+class Cancels:
+    """The newest requests kvwatch cancelled, by the engine socket they were on (bounded)."""
+
+    def __init__(self) -> None:
+        self._by_socket: OrderedDict[UpstreamKey, CancelledRequest] = OrderedDict()
+
+    def add(self, stream: EngineStream, cancelled_ns: int) -> None:
+        key = (stream.local, stream.remote)
+        self._by_socket.pop(key, None)
+        self._by_socket[key] = CancelledRequest(stream.request_id, stream.opened_ns, cancelled_ns)
+        if len(self._by_socket) > MAX_CANCELS_REMEMBERED:
+            self._by_socket.popitem(last=False)
+
+    def on(self, local: Endpoint, remote: Endpoint) -> CancelledRequest | None:
+        return self._by_socket.get((local, remote))
 
 
 class EngineStreams(Protocol):
@@ -88,7 +119,8 @@ class RelayIndex:
     """Which client socket each upstream socket fed last, over a set of samples; built per
     look (a decision, an API call), it holds no state between them."""
 
-    def __init__(self, samples: Iterable[SocketSample]) -> None:
+    def __init__(self, samples: Iterable[SocketSample], cancels: Cancels | None = None) -> None:
+        self._cancels = cancels if cancels is not None else Cancels()
         self._newest: dict[UpstreamKey, int] = {}
         for sample in samples:
             if sample.feeder is not None:
@@ -120,6 +152,16 @@ class RelayIndex:
             )
         if self._newest.get(_upstream(feeder), 0) > feeder.fed_ns:
             return "ambiguous", f"{upstream} has fed another client socket since"
+        cancelled = self._cancels.on(feeder.remote, feeder.local)
+        if (
+            stream is None
+            and cancelled is not None
+            and cancelled.opened_ns <= feeder.fed_ns <= cancelled.cancelled_ns
+        ):
+            return "request_cancelled", (
+                f"kvwatch cancelled request {cancelled.request_id}, which {upstream} carried "
+                "to this socket: its client still waits at the proxy"
+            )
         if stream is None and hooked:
             return "request_ended", (
                 f"the engine at {feeder.remote} carries no live request on {upstream}: the "

@@ -107,3 +107,16 @@ def test_a_request_seen_at_the_proxy_and_the_engine_counts_its_kv_once() -> None
     views = [view(at_engine, StreamState.ZERO_WINDOW), view(at_proxy, StreamState.STALLED)]
     (counted,) = by_request(views)
     assert counted.state is StreamState.STALLED and counted.sample is at_proxy
+
+
+def test_a_socket_fed_by_a_request_kvwatch_cancelled_says_so() -> None:
+    from kvwatch.daemon.relay import Cancels
+
+    cancels = Cancels()
+    cancels.add(request("cmpl-1", 1_000), cancelled_ns=5_000)
+    sample = proxy_socket(feeds=40, misses=0, fed_ns=2_000)
+    engine, link = RelayIndex([sample], cancels).behind(sample, Engines())
+    assert engine is None and link is not None and link.status == "request_cancelled"
+    earlier = proxy_socket(feeds=40, misses=0, fed_ns=500)  # an earlier request's client
+    _, link = RelayIndex([earlier], cancels).behind(earlier, Engines())
+    assert link is not None and link.status == "request_ended"

@@ -319,3 +319,17 @@ def test_a_proxy_socket_whose_request_ended_is_left_alone_even_with_reset() -> N
         relay=NGINX, relay_status="request_ended",
     )  # fmt: skip
     assert decide_once(candidate, config) == ("skip", "request_ended")
+
+
+def test_the_client_socket_of_a_request_kvwatch_cancelled_is_reset_whatever_the_actions() -> None:
+    """The engine's own socket was judged first and its request cancelled: the client still
+    waits at the proxy. Only deny rules still hold."""
+    candidate = stalled(
+        request_id=None, kv_bytes=None, has_engine_hook=False, comm="nginx", age_seconds=0.0,
+        relay=NGINX, relay_status="request_cancelled",
+    )  # fmt: skip
+    with_kv_floor = dataclasses.replace(ENFORCE, min_kv_bytes=MIB, actions=("cancel",))
+    decision = decide(candidate, with_kv_floor, CancelBudget(10), 1.0)
+    assert (decision.verdict, decision.actions) == ("act", ("reset",))
+    denied = dataclasses.replace(ENFORCE, deny_comms=("nginx",))
+    assert decide_once(candidate, denied) == ("skip", "denied_by_rule")

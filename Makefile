@@ -38,6 +38,7 @@ bench: setup
 	$(PY) -m bench.bench_engine
 	$(PY) -m bench.bench_stall_to_free
 	$(PY) -m bench.bench_rescue
+	$(PY) -m bench.bench_proxy
 	$(PY) -m bench.bench_footprint
 	$(PY) -m bench.bench_backends
 	$(PY) -m bench.bench_egress

@@ -6,14 +6,21 @@
 2. the socket's owner is known ("owner_unknown"): deny and allow rules name processes and
    pods, so a socket whose owner cannot be found is never acted on;
 3. no deny rule matches ("denied_by_rule") and every non-empty allow list does
-   ("not_allowed_by_rule");
+   ("not_allowed_by_rule"). Behind a proxy the deny rules hold for the relaying process too;
+3a. a proxy's client socket whose engine request has already ended pins no KV
+   ("request_ended": the rest of the response waits in buffers and finishes on its own);
+   one whose request kvwatch cancelled (judged first on the engine's own socket) is reset
+   at once, whatever `policy.actions` says, so its client is not left waiting: the checks
+   below are for the cancel, which is done;
 4. the stream is at least `grace_seconds` old ("in_grace");
 5. it holds at least `min_kv_bytes` ("below_min_kv"). A stream no engine announced has no known
    KV size: with `min_kv_bytes` = 0 it qualifies, for the `reset` action only (cancel needs the
    engine's hook); with `min_kv_bytes` > 0 it is skipped ("unknown_kv"), because the policy
    cannot tell it holds that much;
 6. one of the configured actions is possible: `cancel` needs an engine hook and a known request,
-   `reset` is always possible ("no_action_possible");
+   `reset` is always possible ("no_action_possible"). A cancel of a request found through a
+   proxy is followed by a reset of the proxy's client socket, so the client is not left
+   hanging on a response that will never come;
 7. the budget of `max_cancels_per_minute` has room ("budget_exhausted"). An action that took
    no effect (its target was already gone, or it failed) gives its unit back.
 Then the verdict is "act" in enforce mode and "would_act" in observe mode. Observe mode takes
@@ -39,6 +46,16 @@ _MIB = 1 << 20
 
 
 @dataclass(frozen=True)
+class Owner:
+    """A process the rules name: its comm and, where known, its cgroup, container and pod."""
+
+    comm: str
+    cgroup_path: str = ""
+    container_id: str = ""
+    pod_uid: str = ""
+
+
+@dataclass(frozen=True)
 class Candidate:
     """Everything the policy needs to know about one stream at the time of the decision.
 
@@ -47,7 +64,9 @@ class Candidate:
     collector found; 0 when none was found);
     `kv_bytes` is None when no engine announced the stream; `age_seconds` counts from when the
     connection (or stream) was first seen; `has_engine_hook` says an engine announced it, so
-    it can be cancelled.
+    it can be cancelled. `relay` is the proxy that writes the socket and `relay_status` how
+    its upstream joined the request (kvwatch.daemon.relay), both None for a socket no relay
+    writes.
     """
 
     request_id: str | None
@@ -62,6 +81,12 @@ class Candidate:
     container_id: str
     pod_uid: str
     has_engine_hook: bool
+    relay: Owner | None = None
+    relay_status: str | None = None
+
+    @property
+    def owner(self) -> Owner:
+        return Owner(self.comm, self.cgroup_path, self.container_id, self.pod_uid)
 
 
 @dataclass(frozen=True)
@@ -119,11 +144,11 @@ def _skip(reason: str, detail: str) -> Decision:
     return Decision("skip", (), reason, detail)
 
 
-def _identities(candidate: Candidate) -> list[tuple[str, str]]:
+def _identities(owner: Owner) -> list[tuple[str, str]]:
     named = [
-        ("cgroup", candidate.cgroup_path),
-        ("container", candidate.container_id),
-        ("pod", candidate.pod_uid),
+        ("cgroup", owner.cgroup_path),
+        ("container", owner.container_id),
+        ("pod", owner.pod_uid),
     ]
     return [(what, value) for what, value in named if value]
 
@@ -135,13 +160,17 @@ def _first_match(value: str, patterns: tuple[str, ...]) -> str | None:
 def _denied(candidate: Candidate, config: PolicyConfig) -> str | None:
     if candidate.local_port in config.deny_ports:
         return f"local port {candidate.local_port} is in policy.deny_ports"
-    pattern = _first_match(candidate.comm, config.deny_comms)
-    if pattern is not None:
-        return f"comm {candidate.comm!r} matches policy.deny_comms {pattern!r}"
-    for what, value in _identities(candidate):
-        pattern = _first_match(value, config.deny_cgroups)
+    owners = [("", candidate.owner)]
+    if candidate.relay is not None:
+        owners.append(("relay ", candidate.relay))
+    for role, owner in owners:
+        pattern = _first_match(owner.comm, config.deny_comms)
         if pattern is not None:
-            return f"{what} {value!r} matches policy.deny_cgroups {pattern!r}"
+            return f"{role}comm {owner.comm!r} matches policy.deny_comms {pattern!r}"
+        for what, value in _identities(owner):
+            pattern = _first_match(value, config.deny_cgroups)
+            if pattern is not None:
+                return f"{role}{what} {value!r} matches policy.deny_cgroups {pattern!r}"
     return None
 
 
@@ -151,7 +180,8 @@ def _not_allowed(candidate: Candidate, config: PolicyConfig) -> str | None:
     if config.allow_comms and _first_match(candidate.comm, config.allow_comms) is None:
         return f"comm {candidate.comm!r} matches no policy.allow_comms pattern"
     if config.allow_cgroups and not any(
-        _first_match(value, config.allow_cgroups) is not None for _, value in _identities(candidate)
+        _first_match(value, config.allow_cgroups) is not None
+        for _, value in _identities(candidate.owner)
     ):
         return "neither cgroup, container nor pod matches a policy.allow_cgroups pattern"
     return None
@@ -174,6 +204,14 @@ def _refusal(candidate: Candidate, config: PolicyConfig) -> Decision | None:
     not_allowed = _not_allowed(candidate, config)
     if not_allowed is not None:
         return _skip("not_allowed_by_rule", not_allowed)
+    if candidate.relay_status == "request_ended":
+        return _skip(
+            "request_ended",
+            "the engine request behind this proxy socket has ended; the rest of its response "
+            "waits in buffers and pins no KV",
+        )
+    if candidate.relay_status == "request_cancelled":
+        return None
     if candidate.age_seconds < config.grace_seconds:
         return _skip(
             "in_grace",
@@ -195,12 +233,17 @@ def _refusal(candidate: Candidate, config: PolicyConfig) -> Decision | None:
 
 def possible_actions(candidate: Candidate, config: PolicyConfig) -> tuple[str, ...]:
     """The configured actions that can be carried out on this stream, in configured order."""
+    if candidate.relay_status == "request_cancelled":
+        return ("reset",)  # the client socket of a request kvwatch already cancelled
     can_cancel = (
         candidate.has_engine_hook
         and candidate.request_id is not None
         and candidate.kv_bytes is not None
     )
-    return tuple(action for action in config.actions if action == "reset" or can_cancel)
+    actions = tuple(action for action in config.actions if action == "reset" or can_cancel)
+    if candidate.relay is not None and "cancel" in actions and "reset" not in actions:
+        actions += ("reset",)  # the proxy's client socket, so the client is not left hanging
+    return actions
 
 
 def _describe_act(candidate: Candidate, actions: tuple[str, ...]) -> str:

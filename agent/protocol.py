@@ -96,7 +96,8 @@ class Open(Message):
 
     `local` is the server socket's own address, `remote` the client's, as the server sees them;
     `pid` is the process that owns that socket. `kv_estimated` (optional) says the KV numbers
-    are the engine hook's estimate, not the engine's block table.
+    are the engine hook's estimate, not the engine's block table; `age_ms` (optional) how long
+    ago the request's stream began, so a re-announced stream keeps its age.
     """
 
     TYPE: ClassVar[str] = "open"
@@ -109,6 +110,7 @@ class Open(Message):
     device: str
     tokens_out: int = 0
     kv_estimated: bool = False
+    age_ms: int = 0
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,20 @@ class Endpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class Feeder:
+    """The socket whose data a socket relays, from kernel evidence (BPF only): the process
+    that writes to it last read from `local`⇄`remote` (that socket's own view) before each
+    write. `feeds` counts such writes since it became the feeder, `misses` writes after a
+    read from some other socket since then; `fed_ns` is the newest feed."""
+
+    local: Endpoint
+    remote: Endpoint
+    feeds: int
+    misses: int
+    fed_ns: int
+
+
+@dataclass(frozen=True, slots=True)
 class SocketSample:
     """One TCP socket's send-side state at `observed_ns` (CLOCK_MONOTONIC nanoseconds).
 
@@ -69,6 +83,8 @@ class SocketSample:
     the zero-window probes are timed from and `probe_backoff` how often their interval has
     doubled (icsk_backoff, as of the newest segment); `last_ack_ns` when the last segment
     from the peer arrived (0: unknown) — during a zero window, the answer to the newest probe.
+    `feeder` is the socket whose data this one relays (a proxy's upstream), None when none is
+    known.
     """
 
     key: int
@@ -106,6 +122,7 @@ class SocketSample:
     rto_us: int = 0
     probe_backoff: int = 0
     last_ack_ns: int = 0
+    feeder: Feeder | None = None
 
     @property
     def pending_bytes(self) -> int:

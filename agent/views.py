@@ -62,6 +62,21 @@ def socket_json(
         "peer_rwnd_max": sample.peer_rwnd_max,
         "netns": sample.netns,
         "inode": sample.inode,
+        "feeder": feeder_json(sample, now_ns),
+    }
+
+
+def feeder_json(sample: SocketSample, now_ns: int) -> dict[str, Any] | None:
+    """The socket whose data this one relays (a proxy's upstream), or None."""
+    feeder = sample.feeder
+    if feeder is None:
+        return None
+    return {
+        "local": str(feeder.local),
+        "remote": str(feeder.remote),
+        "feeds": feeder.feeds,
+        "misses": feeder.misses,
+        "fed_seconds_ago": round(sample.seconds_since(feeder.fed_ns, now_ns), 3),
     }
 
 

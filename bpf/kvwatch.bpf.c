@@ -36,6 +36,14 @@ struct {
 	__type(value, struct kv_sock_record);
 } kv_socket_storage SEC(".maps");
 
+/* Per thread (pid_tgid): the socket it read from last, for relay pairing. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, KV_DEFAULT_MAX_THREADS);
+	__type(key, __u64);
+	__type(value, struct kv_thread_read);
+} kv_reads SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, KV_EVENTS_BYTES);
@@ -70,6 +78,8 @@ static __always_inline void kv_stat_add(__u32 index)
 #define KV_LRU_LOOKUP(key) bpf_map_lookup_elem(&kv_sockets, key)
 #define KV_LRU_INSERT(key, rec) bpf_map_update_elem(&kv_sockets, key, rec, BPF_NOEXIST)
 #define KV_LRU_DELETE(key) bpf_map_delete_elem(&kv_sockets, key)
+#define KV_READS_LOOKUP(thread) bpf_map_lookup_elem(&kv_reads, thread)
+#define KV_READS_UPDATE(thread, value) bpf_map_update_elem(&kv_reads, thread, value, BPF_ANY)
 #define KV_EVENT_RESERVE() bpf_ringbuf_reserve(&kv_events, sizeof(struct kv_event), 0)
 #define KV_EVENT_SUBMIT(ev) bpf_ringbuf_submit(ev, 0)
 #define KV_STAT_ADD(index) kv_stat_add(index)
@@ -155,6 +165,19 @@ SEC("raw_tp/tcp_probe")
 int kv_segment_raw_tp(struct bpf_raw_tracepoint_args *ctx)
 {
 	return kv_on_segment_probed((struct sock *)ctx->args[0], (struct sk_buff *)ctx->args[1]);
+}
+
+/* Read path: tcp_rcv_space_adjust(sk), after data was copied to the reading thread. */
+SEC("tp_btf/tcp_rcv_space_adjust")
+int BPF_PROG(kv_read_tp_btf, struct sock *sk)
+{
+	return kv_on_read_btf(sk);
+}
+
+SEC("raw_tp/tcp_rcv_space_adjust")
+int kv_read_raw_tp(struct bpf_raw_tracepoint_args *ctx)
+{
+	return kv_on_read_probed((struct sock *)ctx->args[0]);
 }
 
 /* Lifecycle: inet_sock_set_state(sk, oldstate, newstate). */

@@ -10,6 +10,7 @@
 #define KV_MAX_FILTER_PORTS 16
 #define KV_COMM_LEN 16
 #define KV_DEFAULT_MAX_SOCKETS 16384
+#define KV_DEFAULT_MAX_THREADS 16384	/* threads whose newest read is remembered */
 #define KV_EVENTS_BYTES (256 * 1024)
 
 /* Edge events sent over the ring buffer. */
@@ -21,6 +22,9 @@ enum kv_event_type {
 	KV_EVENT_CLOSE = 5,
 	KV_EVENT_ZERO_WINDOW_ANSWER = 6,	/* a segment during a zero window, still shut */
 };
+
+/* A write follows a read (relay pairing) only when the read came at most this long before. */
+#define KV_RELAY_WINDOW_NS 1000000000ULL
 
 /* Answers during one zero window closer together than this send no further event. */
 #define KV_ZERO_WINDOW_ANSWER_GAP_NS 100000000ULL
@@ -35,7 +39,23 @@ enum kv_stat {
 	KV_STAT_COUNT = 5,
 };
 
-/* One tracked TCP socket. Counters are cumulative; *_since_ns is 0 when no episode is open. */
+/* One side's view of a TCP connection: its own address and port, then its peer's. */
+struct kv_endpoints {
+	__u8 saddr[16];			/* IPv4 in the first 4 bytes */
+	__u8 daddr[16];
+	__u16 sport;			/* host byte order */
+	__u16 dport;			/* host byte order */
+	__u16 family;
+	__u16 reserved;
+};
+
+/*
+ * One tracked TCP socket. Counters are cumulative; *_since_ns is 0 when no episode is open.
+ * Relay pairing (a proxy): a write on this socket by a thread whose newest read, at most
+ * KV_RELAY_WINDOW_NS before, came from another socket makes that socket a candidate feeder;
+ * a candidate seen on two writes in a row becomes the feeder, so one stray read never
+ * re-pairs a socket.
+ */
 struct kv_sock_record {
 	__u64 sk;			/* kernel address of struct sock (the map key) */
 	__u64 first_seen_ns;		/* CLOCK_MONOTONIC, like every *_ns field */
@@ -54,6 +74,9 @@ struct kv_sock_record {
 	__u64 acks;
 	__u64 bytes_acked;		/* cumulative: the progress counter sock_diag also reports */
 	__u64 inode;			/* socket inode: joins /proc/<pid>/fd and sock_diag */
+	__u64 feeder_sk;		/* the socket whose data this one relays (0: none yet) */
+	__u64 feeder_candidate_sk;	/* the newest other socket read before a write here */
+	__u64 fed_ns;			/* the newest write that followed a read from the feeder */
 	__u32 netns;			/* network namespace inode */
 	__u32 tgid;			/* last process that sent on it; 0 until one does */
 	__u32 snd_una;
@@ -70,8 +93,11 @@ struct kv_sock_record {
 	__u32 zero_window_probes;
 	__u32 zero_window_episodes;
 	__u32 sndbuf_full_episodes;
+	__u32 feeds;			/* writes after a read from the feeder, since it became one */
+	__u32 feeder_misses;		/* writes after a read from another socket, since then */
 	__u8 saddr[16];			/* IPv4 in the first 4 bytes */
 	__u8 daddr[16];
+	struct kv_endpoints feeder;	/* feeder_sk's addresses, as the feeder sees them */
 	__u16 sport;			/* host byte order */
 	__u16 dport;			/* host byte order */
 	__u16 family;
@@ -85,6 +111,13 @@ struct kv_event {
 	__u32 type;			/* enum kv_event_type */
 	__u32 reserved;
 	struct kv_sock_record record;	/* the socket as of the edge */
+};
+
+/* Per thread: the socket it read from last (kv_reads map, keyed by pid_tgid). */
+struct kv_thread_read {
+	__u64 sk;
+	__u64 read_ns;
+	struct kv_endpoints endpoints;
 };
 
 /* Load-time settings (read-only data). Zero means "off" for every filter. */

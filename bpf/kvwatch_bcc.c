@@ -17,6 +17,7 @@
 #include "kvwatch.h"
 
 BPF_TABLE("lru_hash", __u64, struct kv_sock_record, kv_sockets, KV_MAX_SOCKETS);
+BPF_TABLE("lru_hash", __u64, struct kv_thread_read, kv_reads, KV_DEFAULT_MAX_THREADS);
 BPF_RINGBUF_OUTPUT(kv_events, KV_EVENTS_BYTES / 4096);
 BPF_PERCPU_ARRAY(kv_stats, __u64, KV_STAT_COUNT);
 /* One entry, written by userspace before any program is attached. */
@@ -41,6 +42,14 @@ static __always_inline long kv_bcc_sockets_delete(__u64 *key)
 {
 	return kv_sockets.delete(key);
 }
+static __always_inline struct kv_thread_read *kv_bcc_reads_lookup(__u64 *thread)
+{
+	return kv_reads.lookup(thread);
+}
+static __always_inline long kv_bcc_reads_update(__u64 *thread, struct kv_thread_read *value)
+{
+	return kv_reads.update(thread, value);
+}
 static __always_inline struct kv_event *kv_bcc_event_reserve(void)
 {
 	return kv_events.ringbuf_reserve(sizeof(struct kv_event));
@@ -63,6 +72,8 @@ static __always_inline void kv_bcc_stat_add(__u32 index)
 #define KV_SOCKETS_LOOKUP(key) kv_bcc_sockets_lookup(key)
 #define KV_SOCKETS_INSERT(key, rec) kv_bcc_sockets_insert(key, rec)
 #define KV_SOCKETS_DELETE(key) kv_bcc_sockets_delete(key)
+#define KV_READS_LOOKUP(thread) kv_bcc_reads_lookup(thread)
+#define KV_READS_UPDATE(thread, value) kv_bcc_reads_update(thread, value)
 #define KV_EVENT_RESERVE() kv_bcc_event_reserve()
 #define KV_EVENT_SUBMIT(ev) kv_bcc_event_submit(ev)
 #define KV_STAT_ADD(index) kv_bcc_stat_add(index)
@@ -106,6 +117,11 @@ int kv_send_raw_tp(struct bpf_raw_tracepoint_args *ctx)
 int kv_segment_raw_tp(struct bpf_raw_tracepoint_args *ctx)
 {
 	return kv_on_segment_bcc((struct sock *)ctx->args[0], (struct sk_buff *)ctx->args[1]);
+}
+
+int kv_read_raw_tp(struct bpf_raw_tracepoint_args *ctx)
+{
+	return kv_on_read_bcc((struct sock *)ctx->args[0]);
 }
 
 int kv_state_raw_tp(struct bpf_raw_tracepoint_args *ctx)

@@ -52,27 +52,38 @@ static __always_inline __u64 KV_FN(kv_read_inode)(struct sock *sk)
 	KV_READ(&ino, inode, i_ino);
 	return ino;
 }
+static __always_inline void KV_FN(kv_read_endpoints)(struct sock *sk, struct kv_endpoints *ep)
+{
+	__be16 dport = 0;
+
+	KV_READ(&ep->family, sk, __sk_common.skc_family);
+	KV_READ(&ep->sport, sk, __sk_common.skc_num);
+	KV_READ(&dport, sk, __sk_common.skc_dport);
+	ep->dport = bpf_ntohs(dport);
+	if (ep->family == KV_AF_INET6) {
+		KV_READ_BYTES(ep->saddr, sk, __sk_common.skc_v6_rcv_saddr);
+		KV_READ_BYTES(ep->daddr, sk, __sk_common.skc_v6_daddr);
+	} else {
+		KV_READ((__be32 *)ep->saddr, sk, __sk_common.skc_rcv_saddr);
+		KV_READ((__be32 *)ep->daddr, sk, __sk_common.skc_daddr);
+	}
+}
 /* Identity of a new record: addresses, ports, namespace. Counters start at zero. */
 static __always_inline void KV_FN(kv_record_init)(struct kv_sock_record *rec, struct sock *sk, __u64 now)
 {
+	struct kv_endpoints ep = {};
 	struct net *net = NULL;
-	__be16 dport = 0;
 
 	rec->sk = (__u64)sk;
 	rec->first_seen_ns = now;
 	rec->progress_ns = now;
-	KV_READ(&rec->family, sk, __sk_common.skc_family);
-	KV_READ(&rec->sport, sk, __sk_common.skc_num);
-	KV_READ(&dport, sk, __sk_common.skc_dport);
-	rec->dport = bpf_ntohs(dport);
+	KV_FN(kv_read_endpoints)(sk, &ep);
+	__builtin_memcpy(rec->saddr, ep.saddr, sizeof(rec->saddr));
+	__builtin_memcpy(rec->daddr, ep.daddr, sizeof(rec->daddr));
+	rec->sport = ep.sport;
+	rec->dport = ep.dport;
+	rec->family = ep.family;
 	KV_READ(&rec->tcp_state, sk, __sk_common.skc_state);
-	if (rec->family == KV_AF_INET6) {
-		KV_READ_BYTES(rec->saddr, sk, __sk_common.skc_v6_rcv_saddr);
-		KV_READ_BYTES(rec->daddr, sk, __sk_common.skc_v6_daddr);
-	} else {
-		KV_READ((__be32 *)rec->saddr, sk, __sk_common.skc_rcv_saddr);
-		KV_READ((__be32 *)rec->daddr, sk, __sk_common.skc_daddr);
-	}
 	KV_READ(&net, sk, __sk_common.skc_net.net);
 	if (net)
 		KV_READ(&rec->netns, net, ns.inum);
@@ -203,6 +214,7 @@ static __always_inline int KV_FN(kv_on_send)(struct sock *sk, long bytes, bool a
 		rec->send_bytes += bytes;
 	if (!rec->inode)
 		rec->inode = KV_FN(kv_read_inode)(sk);
+	kv_note_feeder(rec, now);
 	kv_commit(rec, &view, now);
 	if (at_entry && bytes > 0 && idle_before)
 		rec->progress_ns = now;
@@ -266,6 +278,30 @@ static __always_inline int KV_FN(kv_on_segment)(struct sock *sk, struct sk_buff 
 	kv_commit(rec, &view, now);
 	if (answer)
 		kv_emit(rec, KV_EVENT_ZERO_WINDOW_ANSWER, now);
+	return 0;
+}
+/*
+ * Read path (tcp_rcv_space_adjust): fires in the reading thread each time TCP data was copied
+ * to it. Remembers, per thread, the socket read last and its addresses (read only when the
+ * socket changes), for kv_note_feeder on the thread's next write.
+ */
+static __always_inline int KV_FN(kv_on_read)(struct sock *sk)
+{
+	__u64 thread = bpf_get_current_pid_tgid();
+	struct kv_thread_read *last = KV_READS_LOOKUP(&thread);
+	struct kv_thread_read fresh = {};
+	__u64 now = KV_NOW();
+
+	if (last && last->sk == (__u64)sk) {
+		last->read_ns = now;
+		return 0;
+	}
+	if (!kv_process_allowed())
+		return 0;
+	fresh.sk = (__u64)sk;
+	fresh.read_ns = now;
+	KV_FN(kv_read_endpoints)(sk, &fresh.endpoints);
+	KV_READS_UPDATE(&thread, &fresh);
 	return 0;
 }
 /*

@@ -8,6 +8,7 @@
  *   KV_NOW()                        CLOCK_MONOTONIC nanoseconds
  *   KV_SOCKETS_LOOKUP(key), KV_SOCKETS_INSERT(key, rec), KV_SOCKETS_DELETE(key)
  *   KV_EVENT_RESERVE(), KV_EVENT_SUBMIT(ev), KV_STAT_ADD(index)
+ *   KV_READS_LOOKUP(thread), KV_READS_UPDATE(thread, value)   the per-thread last read
  */
 #ifndef KVWATCH_SOCKET_H
 #define KVWATCH_SOCKET_H
@@ -105,6 +106,33 @@ static __always_inline void kv_emit(const struct kv_sock_record *rec, __u32 type
 	__builtin_memcpy(&ev->record, rec, sizeof(*rec));
 	KV_EVENT_SUBMIT(ev);
 	KV_STAT_ADD(KV_STAT_EVENTS_SENT);
+}
+/*
+ * Relay pairing, on a write to `rec`'s socket: the current thread's newest read (if recent
+ * and from another socket) confirms the feeder, or names a candidate; a candidate seen on two
+ * writes in a row replaces the feeder (kvwatch.h, struct kv_sock_record).
+ */
+static __always_inline void kv_note_feeder(struct kv_sock_record *rec, __u64 now)
+{
+	__u64 thread = bpf_get_current_pid_tgid();
+	struct kv_thread_read *last = KV_READS_LOOKUP(&thread);
+
+	if (!last || last->sk == rec->sk || now - last->read_ns > KV_RELAY_WINDOW_NS)
+		return;
+	if (last->sk == rec->feeder_sk) {
+		rec->feeds++;
+		rec->fed_ns = now;
+		rec->feeder_candidate_sk = 0;
+	} else if (last->sk == rec->feeder_candidate_sk) {
+		rec->feeder_sk = last->sk;
+		__builtin_memcpy(&rec->feeder, &last->endpoints, sizeof(rec->feeder));
+		rec->feeds = 2;
+		rec->feeder_misses = 0;
+		rec->fed_ns = now;
+	} else {
+		rec->feeder_candidate_sk = last->sk;
+		rec->feeder_misses++;
+	}
 }
 /* Folds one view into the record: progress clock, episodes, and their edge events. */
 static __always_inline void kv_commit(struct kv_sock_record *rec, const struct kv_tcp_view *view,

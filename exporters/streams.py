@@ -9,7 +9,32 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvwatch.daemon.core import Daemon
+from kvwatch.daemon.join import StreamView
 from kvwatch.states import StreamState
+
+# Which of a request's sockets names its state in the KV gauges: the one furthest gone.
+SEVERITY = (
+    StreamState.CLOSED,
+    StreamState.CANCELLED,
+    StreamState.HEALTHY,
+    StreamState.SLOW,
+    StreamState.ZERO_WINDOW,
+    StreamState.STALLED,
+)
+
+
+def by_request(views: list[StreamView]) -> list[StreamView]:
+    """Each engine request once, as its most severe socket shows it: a request behind a
+    proxy is seen on the proxy's client socket and on the engine's own socket, and its KV
+    must be counted once."""
+    chosen: dict[str, StreamView] = {}
+    for view in views:
+        if view.engine is None:
+            continue
+        known = chosen.get(view.engine.request_id)
+        if known is None or SEVERITY.index(view.state) > SEVERITY.index(known.state):
+            chosen[view.engine.request_id] = view
+    return list(chosen.values())
 
 
 def stream_metrics(daemon: Daemon) -> Iterator[Metric]:
@@ -17,9 +42,10 @@ def stream_metrics(daemon: Daemon) -> Iterator[Metric]:
     counts: Counter[StreamState] = Counter(view.state for view in views)
     kv_bytes: Counter[StreamState] = Counter()
     estimated: Counter[StreamState] = Counter()
-    for view in views:
-        kv_bytes[view.state] += view.kv_bytes or 0
-        if view.engine is not None and view.engine.kv_estimated:
+    for view in by_request(views):
+        assert view.engine is not None
+        kv_bytes[view.state] += view.engine.kv_bytes
+        if view.engine.kv_estimated:
             estimated[view.state] += view.engine.kv_bytes
     streams = GaugeMetricFamily(
         "kvwatch_streams", "Tracked TCP streams by state.", labels=["state"]

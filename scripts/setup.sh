@@ -8,10 +8,11 @@ cd "$(dirname "$0")/.."
 # check the exporter and the unit in tests; tmux drives `kvwatch top` in a real terminal;
 # qemu, udev, busybox-static and kmod boot other kernels for the kernel matrix (virtme-ng);
 # python3-bpfcc is BCC, tested there against CO-RE (kvwatch imports it from the system's
-# Python directory: it is not on PyPI); cmake and g++ build llama-cpp-python (below).
+# Python directory: it is not on PyPI); cmake and g++ build llama-cpp-python (below); nginx and
+# haproxy are the proxies the behind-a-proxy tests put in front of the engine.
 APT_PACKAGES=(clang llvm libbpf-dev libbpf1 bpftool iproute2 tmux procps util-linux
               prometheus systemd qemu-system-x86 udev busybox-static kmod python3-bpfcc
-              cmake g++)
+              cmake g++ nginx-light haproxy)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -10,7 +10,7 @@ from typing import Literal, Protocol
 from kvwatch.bpf.layout import EVENT_NAMES, KvEvent, KvSockRecord
 from kvwatch.bpf.loader import AttachReport, BpfPrograms, CollectorSettings
 from kvwatch.bpf.maps import EventRing, SocketTable, read_stats
-from kvwatch.sockets import Endpoint, SocketSample, Source
+from kvwatch.sockets import Endpoint, Feeder, SocketSample, Source
 
 SEQ_MODULO = 1 << 32
 TCP_CLOSE = 7
@@ -21,6 +21,19 @@ def seq_distance(later: int, earlier: int) -> int:
     """Bytes from `earlier` to `later` in 32-bit sequence space (0 if `later` is behind)."""
     distance = (later - earlier) % SEQ_MODULO
     return distance if distance < SEQ_MODULO // 2 else 0
+
+
+def _feeder(record: KvSockRecord) -> Feeder | None:
+    if not record.feeder_sk:
+        return None
+    ends = record.feeder
+    return Feeder(
+        local=Endpoint.from_packed(ends.family, bytes(ends.saddr), ends.sport),
+        remote=Endpoint.from_packed(ends.family, bytes(ends.daddr), ends.dport),
+        feeds=record.feeds,
+        misses=record.feeder_misses,
+        fed_ns=record.fed_ns,
+    )
 
 
 def record_to_sample(record: KvSockRecord, observed_ns: int) -> SocketSample:
@@ -59,6 +72,7 @@ def record_to_sample(record: KvSockRecord, observed_ns: int) -> SocketSample:
         rto_us=record.srtt_us + record.rttvar_us,
         probe_backoff=record.probe_backoff,
         last_ack_ns=record.last_ack_ns,
+        feeder=_feeder(record),
     )
 
 

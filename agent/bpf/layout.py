@@ -34,6 +34,19 @@ STAT_NAMES = (
 )
 
 
+class KvEndpoints(ctypes.Structure):
+    """struct kv_endpoints: one side's view of a connection (its address first)."""
+
+    _fields_ = [
+        ("saddr", c_uint8 * 16),
+        ("daddr", c_uint8 * 16),
+        ("sport", c_uint16),
+        ("dport", c_uint16),
+        ("family", c_uint16),
+        ("reserved", c_uint16),
+    ]
+
+
 class KvSockRecord(ctypes.Structure):
     """struct kv_sock_record: one tracked TCP socket."""
 
@@ -55,6 +68,9 @@ class KvSockRecord(ctypes.Structure):
         ("acks", c_uint64),
         ("bytes_acked", c_uint64),
         ("inode", c_uint64),
+        ("feeder_sk", c_uint64),
+        ("feeder_candidate_sk", c_uint64),
+        ("fed_ns", c_uint64),
         ("netns", c_uint32),
         ("tgid", c_uint32),
         ("snd_una", c_uint32),
@@ -71,8 +87,11 @@ class KvSockRecord(ctypes.Structure):
         ("zero_window_probes", c_uint32),
         ("zero_window_episodes", c_uint32),
         ("sndbuf_full_episodes", c_uint32),
+        ("feeds", c_uint32),
+        ("feeder_misses", c_uint32),
         ("saddr", c_uint8 * 16),
         ("daddr", c_uint8 * 16),
+        ("feeder", KvEndpoints),
         ("sport", c_uint16),
         ("dport", c_uint16),
         ("family", c_uint16),
@@ -93,6 +112,16 @@ class KvEvent(ctypes.Structure):
     ]
 
 
+class KvThreadRead(ctypes.Structure):
+    """struct kv_thread_read: a thread's newest read (the kv_reads map's value)."""
+
+    _fields_ = [
+        ("sk", c_uint64),
+        ("read_ns", c_uint64),
+        ("endpoints", KvEndpoints),
+    ]
+
+
 class KvSettings(ctypes.Structure):
     """struct kv_settings: load-time filters; zero means off."""
 
@@ -105,7 +134,9 @@ class KvSettings(ctypes.Structure):
 
 
 MIRRORED_STRUCTS: dict[str, type[ctypes.Structure]] = {
+    "kv_endpoints": KvEndpoints,
     "kv_sock_record": KvSockRecord,
+    "kv_thread_read": KvThreadRead,
     "kv_event": KvEvent,
     "kv_settings": KvSettings,
 }

@@ -43,6 +43,7 @@ TRACEPOINT_HOOKS = {
     "ack": ("tcp_probe", "kv_segment"),
     "lifecycle": ("inet_sock_set_state", "kv_state"),
     "retransmit": ("tcp_retransmit_skb", "kv_retransmit"),
+    "read": ("tcp_rcv_space_adjust", "kv_read"),
 }
 
 

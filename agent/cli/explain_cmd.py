@@ -84,6 +84,9 @@ def command(stream: str, url: str, as_json: bool) -> None:
         console.print(f"  +{entry['offset_seconds']:8.3f}s  {describe(entry)}")
     decision = next((e for e in reversed(chain["timeline"]) if e["event"] == "decision"), None)
     evidence = decision["evidence"] if decision else (chain["stream"] or {})
+    relay = evidence.get("relay")
+    if relay:
+        console.print(f"[bold]behind a proxy[/bold] {relay['chain']}  ({relay['detail']})")
     if evidence:
         console.print(
             "[bold]socket evidence[/bold] "

@@ -31,7 +31,9 @@ def command(url: str, states: tuple[str, ...], as_json: bool) -> None:
     """List the streams the agent sees, with the engine request and KV behind each.
 
     \b
-    STUCK is the time without ACK progress; STALL/NEEDED how long the stall conditions have
+    VIA names the proxy that relays a client socket (nginx[812]): the engine request behind
+    it is found through the proxy's upstream connection. STUCK is the time without ACK
+    progress; STALL/NEEDED how long the stall conditions have
     held and how long the judge requires before it calls the stream stalled (derived per
     socket from --min-reader-rate and the kernel's evidence; docs/collector.md)."""
     rows = [r for r in get_json(url, "/api/v1/streams") if not states or r["state"] in states]
@@ -39,19 +41,30 @@ def command(url: str, states: tuple[str, ...], as_json: bool) -> None:
         click.echo(json.dumps(rows, indent=2))
         return
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
-    for header in ("REQUEST", "CLIENT", "STATE", "KV", "STUCK", "STALL/NEEDED"):
+    for header in ("REQUEST", "CLIENT", "VIA", "STATE", "KV", "STUCK", "STALL/NEEDED"):
         table.add_column(header, no_wrap=True)
     for row in rows:
         state = StreamState(row["state"])
         table.add_row(
             row["request_id"] or "-",
             row["remote"],
+            via_text(row),
             Text(state.value, style=STATE_STYLES[state]),
             kv_text(row),
             f"{row['no_progress_seconds']:.1f}s",
             stall_text(row),
         )
     Console().print(table)
+
+
+def via_text(row: dict[str, Any]) -> str:
+    """The proxy a client socket is relayed by: `nginx[812]`, with the link's status when it
+    joined no request ("-" for a socket the engine announced itself)."""
+    relay = row.get("relay")
+    if not relay:
+        return "-"
+    via = f"{relay['comm']}[{relay['pid']}]"
+    return via if relay["status"] == "joined" else f"{via} {relay['status']}"
 
 
 def stall_text(row: dict[str, Any]) -> str:

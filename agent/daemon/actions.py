@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvwatch.daemon.hook_registry import EngineStream
 from kvwatch.daemon.hook_server import HookServer
 from kvwatch.daemon.join import StreamView
 from kvwatch.diag.destroy import DestroyResult, destroy_socket
@@ -19,6 +21,10 @@ from kvwatch.netns import network_namespace_of
 from kvwatch.sockets import Endpoint
 
 CANCEL_TIMEOUT_SECONDS = 2.0
+# After a reset, how long the agent waits for the engine to close the request the connection
+# carried (a client disconnect: the engine aborts it and frees its KV), and how often it looks.
+RESET_FOLLOW_SECONDS = 5.0
+RESET_FOLLOW_POLL_SECONDS = 0.02
 
 
 @dataclass
@@ -71,19 +77,45 @@ class Actions:
             "detail": outcome.detail,
         }
 
-    async def reset(self, view: StreamView, reason: str) -> dict[str, Any]:
-        pid = view.engine.engine_pid if view.engine is not None else view.sample.pid
+    async def reset(self, view: StreamView, reason: str, follow: bool) -> dict[str, Any]:
+        """Resets the socket (a proxy's client socket, in the proxy's namespace, for a relayed
+        stream). With `follow`, and a request known behind the socket, waits for the engine
+        to close that request and reports its KV as freed: the engine aborts a request whose
+        client is gone (directly, or through the proxy closing its upstream)."""
         sample = view.sample
         loop = asyncio.get_running_loop()
         try:
             status = await loop.run_in_executor(
-                self._worker, reset_in_namespace, pid, sample.local, sample.remote, self.procfs_root
+                self._worker,
+                reset_in_namespace,
+                view.socket_pid,
+                sample.local,
+                sample.remote,
+                self.procfs_root,
             )
             detail = ""
         except KvwatchError as exc:
             status, detail = "failed", str(exc)
         self.tally.outcomes["reset", reason, status] += 1
-        return {"status": status, "detail": detail}
+        result: dict[str, Any] = {"status": status, "detail": detail}
+        if follow and status == "reset" and view.engine is not None:
+            result.update(await self._follow(view.engine))
+        return result
+
+    async def _follow(self, engine: EngineStream) -> dict[str, Any]:
+        """The engine's close of `engine`'s request after a reset, as freed KV (or not)."""
+        deadline = time.monotonic() + RESET_FOLLOW_SECONDS
+        while self.hooks.live(engine.request_id):
+            if time.monotonic() > deadline:
+                return {"request_closed": False, "freed_blocks": 0, "freed_bytes": 0}
+            await asyncio.sleep(RESET_FOLLOW_POLL_SECONDS)
+        self.tally.reclaimed_kv_bytes += engine.kv_bytes
+        self.tally.reclaimed_kv_blocks += engine.kv_blocks
+        return {
+            "request_closed": True,
+            "freed_blocks": engine.kv_blocks,
+            "freed_bytes": engine.kv_bytes,
+        }
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)

@@ -27,6 +27,7 @@ from kvwatch.daemon.decide import Decider
 from kvwatch.daemon.hook_registry import EngineStream
 from kvwatch.daemon.hook_server import HookServer
 from kvwatch.daemon.join import Joiner, StreamView
+from kvwatch.daemon.relay import RelayIndex, RelayLink
 from kvwatch.daemon.timeline import Timelines, connection_id
 from kvwatch.daemon.watch import StallWatch
 from kvwatch.gpu import GpuInventory, NvmlApi
@@ -71,7 +72,7 @@ class Daemon:
         self.audit = AuditLog(config.audit.path or None)
         self.timelines = Timelines(config.streams.history_size)
         self.decider = Decider(
-            config.policy, self.hooks, self.joiner, self.actions, self.audit, self.timelines
+            config.policy, self.behind, self.joiner, self.actions, self.audit, self.timelines
         )
         self.watch = StallWatch(self.state_policy, self._read_sample, self._on_stalled)
         self.zero_window_seconds = Histogram(
@@ -214,12 +215,26 @@ class Daemon:
     def samples(self) -> list[SocketSample]:
         return list(self._samples.values())
 
+    def behind(
+        self, sample: SocketSample, index: RelayIndex | None = None
+    ) -> tuple[EngineStream | None, RelayLink | None]:
+        """The engine request a socket carries (announced on it, or on the upstream of the
+        proxy that writes it) and the relay link it came through; `index` is the relays of
+        the current socket table, built here when the caller has none."""
+        relays = index if index is not None else self._relays()
+        return relays.behind(sample, self.hooks)
+
+    def _relays(self) -> RelayIndex:
+        return RelayIndex(self._samples.values(), self.decider.cancels)
+
     def stream_views(self) -> list[StreamView]:
         now_ns = time.monotonic_ns()
-        return [
-            self.joiner.view(s, self.hooks.find(s.local, s.remote), now_ns, self.state_policy)
-            for s in self._samples.values()
-        ]
+        index = self._relays()
+        views = []
+        for sample in self._samples.values():
+            engine, relay = self.behind(sample, index)
+            views.append(self.joiner.view(sample, engine, now_ns, self.state_policy, relay=relay))
+        return views
 
     # -- edges, stalls and engine streams ------------------------------------------------
 

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 from kvwatch.audit import AuditLog
 from kvwatch.config import PolicyConfig
 from kvwatch.daemon.actions import Actions
-from kvwatch.daemon.hook_server import HookServer
+from kvwatch.daemon.hook_registry import EngineStream
 from kvwatch.daemon.join import Joiner, StreamView
+from kvwatch.daemon.relay import Cancels, RelayLink
 from kvwatch.daemon.timeline import Timelines, connection_id
 from kvwatch.daemon.watch import episode_of
-from kvwatch.policy import CancelBudget, Candidate, Decision, decide
+from kvwatch.policy import CancelBudget, Candidate, Decision, Owner, decide
 from kvwatch.sockets import SocketSample
 from kvwatch.states import StallJudgement
 
@@ -58,7 +60,18 @@ def candidate_of(view: StreamView, now_ns: int) -> Candidate:
         container_id=process.container_id if process is not None else "",
         pod_uid=process.pod_uid if process is not None else "",
         has_engine_hook=engine is not None,
+        relay=_relay_owner(view),
+        relay_status=view.relay.status if view.relay is not None else None,
     )
+
+
+def _relay_owner(view: StreamView) -> Owner | None:
+    if view.relay is None:
+        return None
+    process = view.relay_process
+    if process is None:
+        return Owner(view.relay.relay_comm)
+    return Owner(process.comm, process.cgroup_path, process.container_id, process.pod_uid)
 
 
 class Decider:
@@ -74,7 +87,7 @@ class Decider:
     def __init__(
         self,
         policy: PolicyConfig,
-        hooks: HookServer,
+        behind: Callable[[SocketSample], tuple[EngineStream | None, RelayLink | None]],
         joiner: Joiner,
         actions: Actions,
         audit: AuditLog,
@@ -82,7 +95,7 @@ class Decider:
     ) -> None:
         self.policy = policy
         self.state_policy = policy.state_policy()
-        self.hooks = hooks
+        self.behind = behind
         self.joiner = joiner
         self.actions = actions
         self.audit = audit
@@ -95,6 +108,7 @@ class Decider:
         self._run_id = f"{time.time_ns() // 1_000_000:x}"
         self._last: dict[int, tuple[tuple[int, str, str], dict[str, Any], dict[str, Any]]] = {}
         self._acted: dict[int, int] = {}
+        self.cancels = Cancels()
 
     def add_event(self, kind: str, **fields: Any) -> None:
         self._event_id += 1
@@ -108,8 +122,8 @@ class Decider:
         if self._acted.get(sample.key) == episode:
             return None
         now_ns = time.monotonic_ns()
-        engine = self.hooks.find(sample.local, sample.remote)
-        view = self.joiner.view(sample, engine, now_ns, self.state_policy, judgement)
+        engine, relay = self.behind(sample)
+        view = self.joiner.view(sample, engine, now_ns, self.state_policy, judgement, relay)
         decision = decide(candidate_of(view, now_ns), self.policy, self.budget, now_ns / 1e9)
         ref, evidence = self._logged(view, decision, episode)
         if decision.acts:
@@ -134,7 +148,8 @@ class Decider:
         ref = self._reference(view)
         entry = self.audit.record(decision, evidence_of(view), ref)
         self._last[sample.key] = (news, ref, entry["evidence"])
-        self.timelines.of(connection_id(sample.local, sample.remote)).add(
+        self._note(
+            view,
             view.now_ns,
             "decision",
             decision_id=ref["decision_id"],
@@ -153,6 +168,16 @@ class Decider:
         )
         return ref, entry["evidence"]
 
+    def _note(self, view: StreamView, ts_ns: int, event: str, **fields: Any) -> None:
+        """Adds an entry to the socket's timeline and, for a socket behind a proxy, to the
+        timeline of the engine connection whose request it carries (so `explain` by request
+        id shows what was decided at the proxy)."""
+        sockets = [(view.sample.local, view.sample.remote)]
+        if view.relay is not None and view.engine is not None:
+            sockets.append((view.engine.local, view.engine.remote))
+        for local, remote in sockets:
+            self.timelines.of(connection_id(local, remote)).add(ts_ns, event, **fields)
+
     def _reference(self, view: StreamView) -> dict[str, Any]:
         self._decision_id += 1
         engine = view.engine
@@ -170,20 +195,21 @@ class Decider:
         ref: dict[str, Any],
         evidence: dict[str, Any],
     ) -> None:
-        took_effect = False
+        took_effect = cancelled = False
         for action in decision.actions:
             if action == "cancel":
                 result = await self.actions.cancel(view, decision.reason, evidence)
+                cancelled = result["status"] == "cancelled"
+                if cancelled and view.engine is not None:
+                    self.cancels.add(view.engine, time.monotonic_ns())
             else:
-                result = await self.actions.reset(view, decision.reason)
+                result = await self.actions.reset(view, decision.reason, follow=not cancelled)
             took_effect = took_effect or result["status"] in TOOK_EFFECT
-            if action == "cancel":
+            if "freed_bytes" in result:
                 result["estimated"] = evidence["kv_estimated"]
             self.audit.record_outcome(ref, action, result)
             event = "cancel_acknowledged" if action == "cancel" else "reset_done"
-            self.timelines.of(connection_id(view.sample.local, view.sample.remote)).add(
-                time.monotonic_ns(), event, decision_id=ref["decision_id"], **result
-            )
+            self._note(view, time.monotonic_ns(), event, decision_id=ref["decision_id"], **result)
             self.add_event("outcome", **ref, action=action, **result)
         if not took_effect:
             self.budget.give_back()

@@ -42,6 +42,13 @@ GONE_STATUSES = ("cancelled", "already_finished")
 _log = logging.getLogger("kvwatch.daemon.hook")
 
 
+def opened_ns(age_ms: int) -> int:
+    """When a stream began on the agent's clock, from the age the engine gives it (a stream
+    re-announced after the agent restarted keeps its age); never before the clock's zero."""
+    now = time.monotonic_ns()
+    return max(0, now - age_ms * 1_000_000)
+
+
 @dataclass(frozen=True)
 class PeerCredentials:
     """The connecting process as SO_PEERCRED reports it, in the agent's namespaces."""
@@ -225,7 +232,7 @@ class EngineConnection:
             kv_blocks=message.kv_blocks,
             bytes_per_block=message.bytes_per_block,
             tokens_out=message.tokens_out,
-            opened_ns=time.monotonic_ns(),
+            opened_ns=opened_ns(message.age_ms),
             kv_estimated=message.kv_estimated,
         )
         self._gone_by_cancel.pop(message.request_id, None)

@@ -13,6 +13,8 @@ from kvwatch.sockets import Endpoint
 # an engine (or anything that says hello) can make the agent hold (docs/protocol.md, "Limits").
 DEFAULT_MAX_STREAMS_PER_CONNECTION = 16384
 DEFAULT_MAX_STREAMS = 65536
+# Server addresses remembered (relay joins ask whether a socket's peer is a hooked engine's).
+MAX_SERVER_ENDPOINTS = 1024
 
 COUNTER_NAMES = (
     "connections_accepted",
@@ -140,6 +142,7 @@ class StreamRegistry:
         self._owner: dict[str, int] = {}
         self._owned: dict[int, dict[str, None]] = {}
         self._by_tuple: dict[FourTuple, dict[str, None]] = {}
+        self._servers: dict[Endpoint, None] = {}
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -162,6 +165,11 @@ class StreamRegistry:
         if not request_ids:
             return None
         return self._streams[next(reversed(request_ids))]
+
+    def serves(self, local: Endpoint) -> bool:
+        """Whether some stream announced in this session had `local` as its server address
+        (the newest MAX_SERVER_ENDPOINTS addresses are remembered)."""
+        return local in self._servers
 
     def open(self, owner: int, stream: EngineStream) -> bool:
         """Adds the stream; an open for a live request id replaces it (keeping `opened_ns`).
@@ -229,6 +237,10 @@ class StreamRegistry:
         self._owner[request_id] = owner
         self._owned.setdefault(owner, {})[request_id] = None
         self._by_tuple.setdefault((stream.local, stream.remote), {})[request_id] = None
+        self._servers.pop(stream.local, None)
+        self._servers[stream.local] = None
+        if len(self._servers) > MAX_SERVER_ENDPOINTS:
+            del self._servers[next(iter(self._servers))]
 
     def _unlink(self, request_id: str, stream: EngineStream) -> None:
         del self._streams[request_id]

@@ -154,6 +154,14 @@ class HookServer:
         """The live stream on this TCP 4-tuple (the server socket's view), newest first."""
         return self._registry.find(local, remote)
 
+    def live(self, request_id: str) -> bool:
+        """Whether the engine still announces this request (it has not closed it)."""
+        return self._registry.get(request_id) is not None
+
+    def serves(self, local: Endpoint) -> bool:
+        """Whether an engine announced a stream on this server address in this session."""
+        return self._registry.serves(local)
+
     def engines(self) -> list[dict[str, object]]:
         """One entry per connection that said hello: who it is and how many streams it has.
 

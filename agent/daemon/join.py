@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwatch.daemon.hook_registry import EngineStream
+from kvwatch.daemon.relay import RelayLink
 from kvwatch.gpu import GpuInventory, GpuProcessUse
 from kvwatch.procfs import ProcessInfo, Procfs
 from kvwatch.sockets import SocketSample
@@ -19,7 +20,12 @@ GPU_CACHE_SECONDS = 5.0
 
 @dataclass(frozen=True)
 class StreamView:
-    """Everything known about one stream at `now_ns`; the unit of policy, API and metrics."""
+    """Everything known about one stream at `now_ns`; the unit of policy, API and metrics.
+
+    `engine` is the request the socket carries: announced on the socket itself, or, for a
+    proxy's client socket, on the upstream that `relay` links it to (`relay` is None for a
+    socket no relay writes). `process` is the engine's (else the socket owner's), and
+    `relay_process` the relaying process's."""
 
     sample: SocketSample
     judgement: StallJudgement
@@ -29,6 +35,8 @@ class StreamView:
     process: ProcessInfo | None
     gpus: tuple[GpuProcessUse, ...]
     now_ns: int
+    relay: RelayLink | None = None
+    relay_process: ProcessInfo | None = None
 
     @property
     def opened_ns(self) -> int:
@@ -41,8 +49,20 @@ class StreamView:
 
     @property
     def owner_pid(self) -> int:
-        """Who owns the socket: the engine that announced it, else the collector's finding."""
+        """Who owns the stream: the engine that announced it, else the collector's finding."""
         return self.engine.engine_pid if self.engine is not None else self.sample.pid
+
+    @property
+    def socket_pid(self) -> int:
+        """Who owns the socket itself: the relay for a proxy's client socket."""
+        return self.sample.pid if self.relay is not None else self.owner_pid
+
+    @property
+    def chain(self) -> str | None:
+        """`client ⇄ nginx[812] ⇄ engine request cmpl-1` for a relayed socket, else None."""
+        if self.relay is None:
+            return None
+        return self.relay.chain(self.sample.remote, self.engine.request_id if self.engine else None)
 
     def to_json(self) -> dict[str, Any]:
         """The `kvwatch streams --json` contract: the socket plus the join."""
@@ -64,6 +84,9 @@ class StreamView:
             container_id=(self.process.container_id or None) if self.process else None,
             pod_uid=(self.process.pod_uid or None) if self.process else None,
             age_seconds=round((self.now_ns - self.opened_ns) / 1e9, 3),
+            relay=(
+                {**self.relay.to_json(), "chain": self.chain} if self.relay is not None else None
+            ),
         )
         return row
 
@@ -104,9 +127,11 @@ class Joiner:
         now_ns: int,
         policy: StatePolicy,
         judgement: StallJudgement | None = None,
+        relay: RelayLink | None = None,
     ) -> StreamView:
         """The stream of `sample`; `judgement` is the judge's verdict on it when the caller
-        already has one (the stall timers), else it is judged here."""
+        already has one (the stall timers), else it is judged here; `relay` the link through
+        which `engine` was found, for a proxy's client socket."""
         pid = engine.engine_pid if engine is not None else sample.pid
         verdict = judgement if judgement is not None else judge(sample, now_ns, policy)
         return StreamView(
@@ -118,6 +143,8 @@ class Joiner:
             process=self.process(pid),
             gpus=self.gpu_use(pid),
             now_ns=now_ns,
+            relay=relay,
+            relay_process=self.process(sample.pid) if relay is not None else None,
         )
 
     def forget_processes(self) -> None:

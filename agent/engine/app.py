@@ -54,6 +54,19 @@ class StreamObserver(Protocol):
     def stream_closed(self, request_id: str, reason: str) -> None: ...
 
 
+def socket_ends(scope: Scope) -> tuple[tuple[str, int], tuple[str, int]] | None:
+    """The request's connection as its socket sees it (local, remote), from the transport;
+    never the scope's `client`, which uvicorn rewrites from X-Forwarded-For behind a proxy,
+    while the agent joins on what the kernel reports. None when the socket is gone."""
+    transport = scope.get("extensions", {}).get(TRANSPORT_EXTENSION)
+    if transport is None:
+        return None
+    local, remote = transport.get_extra_info("sockname"), transport.get_extra_info("peername")
+    if not local or not remote:
+        return None
+    return (str(local[0]), int(local[1])), (str(remote[0]), int(remote[1]))
+
+
 class StreamAnnouncer:
     """Forwards stream events to an optional observer: open, updates, close, in that order.
 
@@ -66,14 +79,12 @@ class StreamAnnouncer:
         self._open: set[str] = set()
 
     def opened(self, request_id: str, scope: Scope, kv_blocks: int) -> None:
-        server, client = scope.get("server"), scope.get("client")
-        if self._observer is None or not server or not client or server[1] is None:
+        ends = socket_ends(scope)
+        if self._observer is None or ends is None:
             return
         with self._lock:  # held across the call: no update can overtake the open
             self._open.add(request_id)
-            self._observer.stream_opened(
-                request_id, (server[0], server[1]), (client[0], client[1]), kv_blocks
-            )
+            self._observer.stream_opened(request_id, ends[0], ends[1], kv_blocks)
 
     def kv_changed(self, request_id: str, kv_blocks: int, tokens_out: int) -> None:
         with self._lock:

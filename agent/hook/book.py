@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class _LiveStream:
     kv_blocks: int
     tokens_out: int
     kv_estimated: bool
+    opened_at: float  # time.monotonic() when the engine announced it
     egress_buffer_full: bool = False
 
 
@@ -120,7 +122,7 @@ class StreamBook:
         kv_blocks: int,
         kv_estimated: bool = False,
     ) -> None:
-        stream = _LiveStream(local, remote, kv_blocks, 0, kv_estimated)
+        stream = _LiveStream(local, remote, kv_blocks, 0, kv_estimated, time.monotonic())
         message = self._open_message(request_id, stream)  # validates before anything changes
         with self._lock:
             self._streams[request_id] = stream
@@ -223,4 +225,5 @@ class StreamBook:
             device=self._info.device,
             tokens_out=stream.tokens_out,
             kv_estimated=stream.kv_estimated,
+            age_ms=int((time.monotonic() - stream.opened_at) * 1000),
         )

@@ -64,6 +64,18 @@ def _srtt(row: Row) -> str:
     return f"{srtt / 1000:.1f}ms" if isinstance(srtt, int) and srtt > 0 else "-"
 
 
+def _request(row: Row) -> str:
+    """The request; `⇄` marks one found through a proxy (a client socket the proxy relays),
+    and a relayed socket that joined none shows why (request_ended, ambiguous, no_engine)."""
+    relay = row.get("relay")
+    request = str(row.get("request_id") or "-")
+    if not isinstance(relay, dict):
+        return clip(request, 16)
+    return clip(
+        "⇄" + (request if relay.get("status") == "joined" else str(relay.get("status"))), 16
+    )
+
+
 def _kv(row: Row) -> str:
     blocks, size = row.get("kv_blocks"), row.get("kv_bytes")
     mark = ESTIMATE_MARK if row.get("kv_estimated") else ""
@@ -84,7 +96,7 @@ class Column:
 COLUMNS = (
     Column("PID/COMM", 5, _owner, "left"),
     Column("CONNECTION", 2, _connection, "left"),
-    Column("REQUEST", 3, lambda r: clip(str(r.get("request_id") or "-"), 16), "left"),
+    Column("REQUEST", 3, _request, "left"),
     Column("STATE", 1, lambda r: str(r.get("state", "?")), "left"),
     Column("FILL", 6, lambda r: f"{fill_fraction(r):.0%}"),
     Column("RWND", 7, _window),

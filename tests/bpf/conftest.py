@@ -18,7 +18,7 @@ T = TypeVar("T")
 # Two programs on a hook run one after the other and read the clock separately; under
 # software emulation milliseconds can pass between them.
 CLOCK_TOLERANCE_NS = 200_000_000
-BYTE_FIELDS = {"saddr", "daddr", "comm"}
+BYTE_FIELDS = {"saddr", "daddr", "comm", "feeder"}
 
 
 def wait_for(produce: Callable[[], T | None], timeout_seconds: float, what: str) -> T:

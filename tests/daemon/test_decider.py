@@ -16,6 +16,7 @@ from kvwatch.daemon.actions import Actions
 from kvwatch.daemon.decide import Decider
 from kvwatch.daemon.hook_server import HookServer
 from kvwatch.daemon.join import Joiner
+from kvwatch.daemon.relay import RelayIndex
 from kvwatch.daemon.timeline import Timelines
 from kvwatch.daemon.watch import StallWatch
 from kvwatch.gpu import GpuInventory
@@ -64,7 +65,7 @@ async def with_decider(socket_path: str, scenario: Callable[[Decider], Awaitable
     actions = Actions(hooks, "/proc")
     decider = Decider(
         POLICY,
-        hooks,
+        lambda sample: RelayIndex(()).behind(sample, hooks),
         Joiner(Procfs(), GpuInventory()),
         actions,
         AuditLog(None, echo=None),

@@ -572,12 +572,14 @@ def test_unauthorised_uid_is_refused_with_an_error(socket_path: str) -> None:
 def test_agent_restart_engine_reannounces_within_two_seconds(socket_path: str) -> None:
     async def scenario() -> None:
         async with engine_hook(socket_path, reconnect_seconds=1.0) as hook:
+            opened_ns = time.monotonic_ns()
             async with running_server(socket_path) as (server, _):
                 hook.stream_opened("live-1", SERVER, _client(50120), kv_blocks=4)
                 hook.stream_opened("live-2", SERVER, _client(50121), kv_blocks=2)
                 await wait_until(lambda: len(server.streams()) == 2)
                 hook.stream_updated("live-1", kv_blocks=6, tokens_out=80)
                 await wait_until(lambda: server.streams()[0].kv_blocks == 6)
+                await asyncio.sleep(0.5)  # the streams are half a second old at the restart
             restarted = time.monotonic()
             async with running_server(socket_path) as (server, _):
                 await wait_until(lambda: len(server.streams()) == 2, timeout_seconds=2.0)
@@ -586,6 +588,8 @@ def test_agent_restart_engine_reannounces_within_two_seconds(socket_path: str) -
                 assert stream is not None
                 assert (stream.kv_blocks, stream.tokens_out) == (6, 80)
                 assert elapsed < 2.0
+                # The re-announced stream keeps its age (open.age_ms), to the millisecond.
+                assert abs(stream.opened_ns - opened_ns) < 100_000_000, stream
 
     run_async(scenario())
 

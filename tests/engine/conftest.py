@@ -73,7 +73,9 @@ class StalledClient:
     while keeping the connection open. Its receive buffer is set small before connect, so the
     window it advertises closes quickly."""
 
-    def __init__(self, address: tuple[str, int], body: bytes, request_id: str) -> None:
+    def __init__(
+        self, address: tuple[str, int], body: bytes, request_id: str, extra_headers: str = ""
+    ) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STALLED_RCVBUF_BYTES)
         self.sock.settimeout(20.0)
@@ -81,7 +83,7 @@ class StalledClient:
         head = (
             f"POST /v1/completions HTTP/1.1\r\nHost: {address[0]}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"X-Request-Id: {request_id}\r\n\r\n"
+            f"X-Request-Id: {request_id}\r\n{extra_headers}\r\n"
         )
         self.sock.sendall(head.encode() + body)
         self.received = b""

@@ -1,8 +1,9 @@
 """The engine with its kvwatch hook, against a minimal real agent on a unix socket.
 
 The agent sees hello, then open with the client connection's 4-tuple exactly as the server
-socket has it, then updates; its cancel frees exactly that request's blocks, once, the client
-sees a reset, and the stream closes as "cancelled". With no agent, the engine just serves.
+socket has it (whatever X-Forwarded-For or Forwarded say), then updates; its cancel frees
+exactly that request's blocks, once, the client sees a reset, and the stream closes as
+"cancelled". With no agent, the engine just serves.
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ def test_agent_cancel_frees_the_stalled_request_and_resets_its_client(
     assert hello.kv_blocks_total == 64
 
     body = json.dumps({"prompt": "stall", "max_tokens": 900, "stream": True}).encode()
-    client = StalledClient(server.address, body, request_id="hooked")
+    # As a proxy sends it: uvicorn rewrites the ASGI client from these; the hook must not.
+    forwarded = "X-Forwarded-For: 203.0.113.9\r\nForwarded: for=198.51.100.7\r\n"
+    client = StalledClient(server.address, body, request_id="hooked", extra_headers=forwarded)
     try:
         opened = agent.wait_for(lambda m: isinstance(m, Open), "open")
         assert isinstance(opened, Open)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwatch.config import PolicyConfig
-from kvwatch.policy import BUDGET_WINDOW_SECONDS, CancelBudget, Candidate, decide
+from kvwatch.policy import BUDGET_WINDOW_SECONDS, CancelBudget, Candidate, Owner, decide
 from kvwatch.states import StreamState
 
 MIB = 1 << 20
@@ -291,3 +291,45 @@ def test_eligible_streams_get_exactly_what_the_budget_allows(
             acted_at.append(now_s)
         else:
             assert decision.reason == "budget_exhausted"
+
+
+# Behind a proxy (kvwatch.daemon.relay): the chain's request, the relay's identity.
+NGINX = Owner("nginx", "/system.slice/nginx.service")
+
+
+def test_a_request_found_through_a_proxy_is_cancelled_then_its_client_socket_reset() -> None:
+    decision = decide(stalled(relay=NGINX, relay_status="joined"), ENFORCE, CancelBudget(10), 1.0)
+    assert (decision.verdict, decision.actions) == ("act", ("cancel", "reset"))
+
+
+def test_deny_rules_hold_for_the_relaying_process_too() -> None:
+    config = dataclasses.replace(ENFORCE, deny_comms=("nginx",))
+    assert decide_once(stalled(relay=NGINX, relay_status="joined"), config) == (
+        "skip",
+        "denied_by_rule",
+    )
+    by_cgroup = dataclasses.replace(ENFORCE, deny_cgroups=("/system.slice/*",))
+    assert decide_once(stalled(relay=NGINX), by_cgroup) == ("skip", "denied_by_rule")
+
+
+def test_a_proxy_socket_whose_request_ended_is_left_alone_even_with_reset() -> None:
+    config = dataclasses.replace(ENFORCE, actions=("reset",))
+    candidate = stalled(
+        request_id=None, kv_bytes=None, has_engine_hook=False, comm="nginx",
+        relay=NGINX, relay_status="request_ended",
+    )  # fmt: skip
+    assert decide_once(candidate, config) == ("skip", "request_ended")
+
+
+def test_the_client_socket_of_a_request_kvwatch_cancelled_is_reset_whatever_the_actions() -> None:
+    """The engine's own socket was judged first and its request cancelled: the client still
+    waits at the proxy. Only deny rules still hold."""
+    candidate = stalled(
+        request_id=None, kv_bytes=None, has_engine_hook=False, comm="nginx", age_seconds=0.0,
+        relay=NGINX, relay_status="request_cancelled",
+    )  # fmt: skip
+    with_kv_floor = dataclasses.replace(ENFORCE, min_kv_bytes=MIB, actions=("cancel",))
+    decision = decide(candidate, with_kv_floor, CancelBudget(10), 1.0)
+    assert (decision.verdict, decision.actions) == ("act", ("reset",))
+    denied = dataclasses.replace(ENFORCE, deny_comms=("nginx",))
+    assert decide_once(candidate, denied) == ("skip", "denied_by_rule")

@@ -35,7 +35,9 @@ def _unread_bytes(sock: socket.socket) -> int:
 @dataclass
 class Reader:
     """One client. `rate` is what it drains, bytes per second, while it reads; it stops
-    reading for good after `read_seconds` (None: never; 0: right after the first bytes)."""
+    reading for good after `read_seconds` (None: never; 0: right after the first bytes).
+    The server's orderly close counts as a reset (the token server never closes), unless
+    `eof_ends` (an HTTP response that ends): then it sets `ended_ns`."""
 
     name: str
     buffer: Buffer
@@ -47,6 +49,9 @@ class Reader:
     max_unread: int = 0
     stopped_ns: int = 0
     reset_ns: int = 0
+    eof_ends: bool = False
+    ended_ns: int = 0
+    received: bytearray = field(default_factory=bytearray)
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
 
@@ -54,12 +59,16 @@ class Reader:
     def live(self) -> bool:
         return self.read_seconds is None
 
-    def connect(self, sock: socket.socket, host: str, port: int) -> None:
+    def connect(
+        self, sock: socket.socket, host: str, port: int, request: bytes = b"stream\n"
+    ) -> None:
+        """Connects, sends `request` (the token server's; an HTTP request for a real server)
+        and starts reading on the reader's thread."""
         if self.buffer in ("4k", "64k"):
             size = 4096 if self.buffer == "4k" else 65536
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
         sock.connect((host, port))
-        sock.sendall(b"stream\n")
+        sock.sendall(request)
         self.sock = sock
         self.local = "{}:{}".format(*sock.getsockname()[:2])
         self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -70,6 +79,8 @@ class Reader:
         self.sock.settimeout(TICK_SECONDS)
         try:
             self._read()
+            if self.ended_ns:
+                return
             self.stopped_ns = time.monotonic_ns()
             self._hold()
         except OSError as exc:
@@ -82,7 +93,7 @@ class Reader:
         start = time.monotonic()
         if self.read_seconds == 0:
             self.sock.settimeout(None)
-            self.bytes_read += len(self.sock.recv(200))
+            self._took(self.sock.recv(200))
             self.sock.settimeout(TICK_SECONDS)
             return
         fast_until = start + AUTOTUNE_SECONDS if self.buffer == "autotuned" else start
@@ -99,11 +110,19 @@ class Reader:
                 continue
             with contextlib.suppress(TimeoutError):
                 data = self.sock.recv(want)
+                if not data and self.eof_ends:
+                    self.ended_ns = time.monotonic_ns()
+                    return
                 if not data:
                     raise ConnectionResetError("the server closed the stream")
-                self.bytes_read += len(data)
+                self._took(data)
                 if now >= fast_until:
                     phase_bytes += len(data)
+
+    def _took(self, data: bytes) -> None:
+        self.bytes_read += len(data)
+        if self.eof_ends:
+            self.received += data
 
     def _hold(self) -> None:
         """Keeps the connection open without reading; notices a reset."""

@@ -1,0 +1,152 @@
+"""Real reverse proxies from Debian's packages, configured for SSE the way their users do
+(HTTP/1.1 to the upstream, kept alive; no response buffering; long timeouts), each started in
+the foreground on loopback from a work directory, and stopped with its workers.
+
+With the kernel's default buffers, a proxy's client socket autotunes its send buffer to
+megabytes and absorbs a whole response of the reference engine; `small_buffers` caps it at
+16 KiB (nginx `listen … sndbuf=`, haproxy `tune.sndbuf.client`), so a client that stops
+reading blocks the engine as it would for a long generation."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvwatch.stack import free_port
+
+PROXIES = ("nginx", "haproxy")
+START_SECONDS = 10.0
+SMALL_SNDBUF_BYTES = 16384
+
+
+def nginx_config(workdir: Path, port: int, upstream_port: int, small_buffers: bool) -> str:
+    temp = workdir / "nginx-temp"
+    sndbuf = f" sndbuf={SMALL_SNDBUF_BYTES}" if small_buffers else ""
+    return f"""
+user root;
+daemon off;
+worker_processes 2;
+pid {workdir}/nginx.pid;
+error_log {workdir}/nginx-error.log info;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {temp}/body;
+    proxy_temp_path {temp}/proxy;
+    fastcgi_temp_path {temp}/fastcgi;
+    uwsgi_temp_path {temp}/uwsgi;
+    scgi_temp_path {temp}/scgi;
+    upstream engine {{
+        server 127.0.0.1:{upstream_port};
+        keepalive 8;
+    }}
+    server {{
+        listen 127.0.0.1:{port}{sndbuf};
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_buffering off;
+            proxy_read_timeout 3600s;
+            proxy_send_timeout 3600s;
+            send_timeout 3600s;
+        }}
+    }}
+}}
+"""
+
+
+def haproxy_config(workdir: Path, port: int, upstream_port: int, small_buffers: bool) -> str:
+    sndbuf = f"tune.sndbuf.client {SMALL_SNDBUF_BYTES}" if small_buffers else ""
+    return f"""
+global
+    maxconn 1000
+    nbthread 2
+    pidfile {workdir}/haproxy.pid
+    {sndbuf}
+
+defaults
+    mode http
+    option forwardfor
+    timeout connect 5s
+    timeout client 3600s
+    timeout server 3600s
+
+frontend clients
+    bind 127.0.0.1:{port}
+    default_backend engine
+
+backend engine
+    http-reuse always
+    server engine 127.0.0.1:{upstream_port}
+"""
+
+
+@dataclass
+class Proxy:
+    """A running proxy: its name, its client-facing port and its master process."""
+
+    name: str
+    port: int
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+
+def start_proxy(name: str, workdir: Path, upstream_port: int, small_buffers: bool) -> Proxy:
+    """Starts `name` in front of 127.0.0.1:`upstream_port`; returns once it accepts."""
+    binary = shutil.which(name) or f"/usr/sbin/{name}"
+    if not Path(binary).exists():
+        raise AssertionError(f"{name} is not installed: run scripts/setup.sh")
+    port = free_port()
+    config = workdir / f"{name}.conf"
+    if name == "nginx":
+        (workdir / "nginx-temp").mkdir(exist_ok=True)
+        config.write_text(nginx_config(workdir, port, upstream_port, small_buffers))
+        command = [
+            binary,
+            "-c",
+            str(config),
+            "-p",
+            str(workdir),
+            "-e",
+            str(workdir / "nginx-error.log"),
+        ]
+    else:
+        config.write_text(haproxy_config(workdir, port, upstream_port, small_buffers))
+        command = [binary, "-f", str(config), "-db"]
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    proxy = Proxy(name, port, popen, log)
+    deadline = time.monotonic() + START_SECONDS
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            raise AssertionError(f"{name} exited {popen.returncode}: {log.read_text()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proxy
+        except OSError:
+            time.sleep(0.05)
+    proxy.stop()
+    raise AssertionError(f"{name} did not accept on port {port} within {START_SECONDS} s")

@@ -85,3 +85,10 @@ int BPF_PROG(calibrate_empty_send, void *sk)
 {
 	return 0;
 }
+
+/* Nothing at all, on the read path's tracepoint. */
+SEC("tp_btf/tcp_rcv_space_adjust")
+int BPF_PROG(calibrate_empty_read, void *sk)
+{
+	return 0;
+}

@@ -2,10 +2,11 @@
 
 Two measurements, each of many short phases with the collector's hooks attached and detached
 in turn (ABBA: off/on, then on/off), the programs loaded once so a phase can be short:
-- `pump_pairs`: the TokenPump's watched and control sets. The control set's sockets are
-  filtered out by the programs' first instructions, so the ratio of the two sets' cost per
-  token, on against off, is what tracking a socket adds (ns per token, beyond the dispatch
-  every socket pays); the machine's own drift cancels in it.
+- `pump_pairs`: the TokenPump's watched and control sets. The send and ACK programs drop
+  the control set's sockets at their first instructions, so the ratio of the two sets' cost
+  per token, on against off, is what tracking a socket adds (ns per token, beyond what every
+  socket pays: the dispatch, and the read hook, which has no port filter); the machine's own
+  drift cancels in it.
 - `sse_pairs`: the TokenLoad (an SSE server and its reader, in a cgroup). Its CPU per token
   with the hooks off is the price a token has without kvwatch (the denominator of the
   overhead); its on/off ratio is the direct, noisier view of the same overhead, and the

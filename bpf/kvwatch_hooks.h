@@ -235,9 +235,10 @@ static __always_inline int KV_FN(kv_on_send_tracepoint)(struct sock *sk, int ret
  * ACK path (tcp_probe): every segment an established socket receives. A segment that comes
  * while the window is shut, acknowledges nothing new and leaves it shut is the peer's
  * answer to a zero-window probe: the agent's proof that a stalled reader did not move, so
- * it is sent as an event (at most one per KV_ZERO_WINDOW_ANSWER_GAP_NS). A segment that
- * moves neither the ACK point nor the window while no episode is open only dates the last
- * segment: the socket's other fields are the send path's and were committed there.
+ * it is sent as an event (at most one per KV_ZERO_WINDOW_ANSWER_GAP_NS). Every segment
+ * refreshes the whole view: skipping the ones that move neither the ACK point nor the
+ * window could leave the queue, RTT and buffer fields as old as the last write, and two
+ * programs on the same socket were seen to drift apart.
  */
 static __always_inline int KV_FN(kv_on_segment)(struct sock *sk, struct sk_buff *skb)
 {
@@ -261,12 +262,6 @@ static __always_inline int KV_FN(kv_on_segment)(struct sock *sk, struct sk_buff 
 	if (!rec)
 		return 0;
 	has_ack = KV_FN(kv_read_segment)(tp, skb, &seg);
-	if (has_ack && seg.ack == rec->snd_una && seg.window == rec->peer_rwnd &&
-	    !rec->zero_window_since_ns && !rec->sndbuf_full_since_ns) {
-		rec->acks++;
-		rec->last_ack_ns = now;
-		return 0;
-	}
 	if (!KV_FN(kv_read_view)(sk, &view))
 		return 0;
 	acked_new = has_ack && KV_FN(kv_apply_segment)(tp, &seg, &view);

@@ -44,6 +44,14 @@ struct {
 	__type(value, struct kv_thread_read);
 } kv_reads SEC(".maps");
 
+/* One bit per tgid: the process wrote to a tracked socket, so its reads matter (pairing). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, KV_WRITER_WORDS);
+	__type(key, __u32);
+	__type(value, __u64);
+} kv_writers SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, KV_EVENTS_BYTES);
@@ -80,6 +88,7 @@ static __always_inline void kv_stat_add(__u32 index)
 #define KV_LRU_DELETE(key) bpf_map_delete_elem(&kv_sockets, key)
 #define KV_READS_LOOKUP(thread) bpf_map_lookup_elem(&kv_reads, thread)
 #define KV_READS_UPDATE(thread, value) bpf_map_update_elem(&kv_reads, thread, value, BPF_ANY)
+#define KV_WRITERS_WORD(index) bpf_map_lookup_elem(&kv_writers, index)
 #define KV_EVENT_RESERVE() bpf_ringbuf_reserve(&kv_events, sizeof(struct kv_event), 0)
 #define KV_EVENT_SUBMIT(ev) bpf_ringbuf_submit(ev, 0)
 #define KV_STAT_ADD(index) kv_stat_add(index)

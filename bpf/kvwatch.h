@@ -11,6 +11,7 @@
 #define KV_COMM_LEN 16
 #define KV_DEFAULT_MAX_SOCKETS 16384
 #define KV_DEFAULT_MAX_THREADS 16384	/* threads whose newest read is remembered */
+#define KV_WRITER_WORDS 65536		/* kv_writers: one bit per tgid below 2^22 */
 #define KV_EVENTS_BYTES (256 * 1024)
 
 /* Edge events sent over the ring buffer. */

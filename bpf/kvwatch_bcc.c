@@ -18,6 +18,7 @@
 
 BPF_TABLE("lru_hash", __u64, struct kv_sock_record, kv_sockets, KV_MAX_SOCKETS);
 BPF_TABLE("lru_hash", __u64, struct kv_thread_read, kv_reads, KV_DEFAULT_MAX_THREADS);
+BPF_ARRAY(kv_writers, __u64, KV_WRITER_WORDS);
 BPF_RINGBUF_OUTPUT(kv_events, KV_EVENTS_BYTES / 4096);
 BPF_PERCPU_ARRAY(kv_stats, __u64, KV_STAT_COUNT);
 /* One entry, written by userspace before any program is attached. */
@@ -50,6 +51,10 @@ static __always_inline long kv_bcc_reads_update(__u64 *thread, struct kv_thread_
 {
 	return kv_reads.update(thread, value);
 }
+static __always_inline __u64 *kv_bcc_writers_word(__u32 *index)
+{
+	return kv_writers.lookup(index);
+}
 static __always_inline struct kv_event *kv_bcc_event_reserve(void)
 {
 	return kv_events.ringbuf_reserve(sizeof(struct kv_event));
@@ -74,6 +79,7 @@ static __always_inline void kv_bcc_stat_add(__u32 index)
 #define KV_SOCKETS_DELETE(key) kv_bcc_sockets_delete(key)
 #define KV_READS_LOOKUP(thread) kv_bcc_reads_lookup(thread)
 #define KV_READS_UPDATE(thread, value) kv_bcc_reads_update(thread, value)
+#define KV_WRITERS_WORD(index) kv_bcc_writers_word(index)
 #define KV_EVENT_RESERVE() kv_bcc_event_reserve()
 #define KV_EVENT_SUBMIT(ev) kv_bcc_event_submit(ev)
 #define KV_STAT_ADD(index) kv_bcc_stat_add(index)

@@ -202,6 +202,7 @@ static __always_inline int KV_FN(kv_on_send)(struct sock *sk, long bytes, bool a
 	view.sndbuf_full = kv_sndbuf_full(view.wmem_queued + (at_entry && bytes > 0 ? bytes : 0),
 					  view.sndbuf);
 	tgid = bpf_get_current_pid_tgid() >> 32;
+	kv_mark_writer(tgid);
 	if (rec->tgid != tgid) {
 		rec->tgid = tgid;
 		bpf_get_current_comm(&rec->comm, sizeof(rec->comm));
@@ -277,22 +278,25 @@ static __always_inline int KV_FN(kv_on_segment)(struct sock *sk, struct sk_buff 
 }
 /*
  * Read path (tcp_rcv_space_adjust): fires in the reading thread each time TCP data was copied
- * to it. Remembers, per thread, the socket read last and its addresses (read only when the
- * socket changes), for kv_note_feeder on the thread's next write.
+ * to it. For a process that writes to tracked sockets (kv_is_writer), remembers per thread
+ * the socket read last and its addresses (read only when the socket changes), for
+ * kv_note_feeder on the thread's next write.
  */
 static __always_inline int KV_FN(kv_on_read)(struct sock *sk)
 {
 	__u64 thread = bpf_get_current_pid_tgid();
-	struct kv_thread_read *last = KV_READS_LOOKUP(&thread);
+	struct kv_thread_read *last;
 	struct kv_thread_read fresh = {};
-	__u64 now = KV_NOW();
+	__u64 now;
 
+	if (!kv_is_writer(thread >> 32))
+		return 0;
+	last = KV_READS_LOOKUP(&thread);
+	now = KV_NOW();
 	if (last && last->sk == (__u64)sk) {
 		last->read_ns = now;
 		return 0;
 	}
-	if (!kv_process_allowed())
-		return 0;
 	fresh.sk = (__u64)sk;
 	fresh.read_ns = now;
 	KV_FN(kv_read_endpoints)(sk, &fresh.endpoints);

@@ -9,6 +9,7 @@
  *   KV_SOCKETS_LOOKUP(key), KV_SOCKETS_INSERT(key, rec), KV_SOCKETS_DELETE(key)
  *   KV_EVENT_RESERVE(), KV_EVENT_SUBMIT(ev), KV_STAT_ADD(index)
  *   KV_READS_LOOKUP(thread), KV_READS_UPDATE(thread, value)   the per-thread last read
+ *   KV_WRITERS_WORD(index)          the kv_writers bitmap's 64-bit word `*index`
  */
 #ifndef KVWATCH_SOCKET_H
 #define KVWATCH_SOCKET_H
@@ -106,6 +107,35 @@ static __always_inline void kv_emit(const struct kv_sock_record *rec, __u32 type
 	__builtin_memcpy(&ev->record, rec, sizeof(*rec));
 	KV_EVENT_SUBMIT(ev);
 	KV_STAT_ADD(KV_STAT_EVENTS_SENT);
+}
+/*
+ * Relay pairing needs only the reads of processes that write to a tracked socket. Each
+ * tracked write sets its process's bit (a plain OR: a bit lost to a concurrent OR on another
+ * CPU is set again by the process's next write); the read hook tests it first, so every
+ * other read on the node costs one array lookup, which the verifier inlines. Tgids past the
+ * bitmap (pid_max above 2^22) are always read.
+ */
+static __always_inline bool kv_is_writer(__u32 tgid)
+{
+	__u32 index = tgid / 64;
+	__u64 *word;
+
+	if (index >= KV_WRITER_WORDS)
+		return true;
+	word = KV_WRITERS_WORD(&index);
+	return word && (*word & (1ULL << (tgid % 64)));
+}
+static __always_inline void kv_mark_writer(__u32 tgid)
+{
+	__u32 index = tgid / 64;
+	__u64 bit = 1ULL << (tgid % 64);
+	__u64 *word;
+
+	if (index >= KV_WRITER_WORDS)
+		return;
+	word = KV_WRITERS_WORD(&index);
+	if (word && !(*word & bit))
+		*word |= bit;
 }
 /*
  * Relay pairing, on a write to `rec`'s socket: the current thread's newest read (if recent

@@ -170,8 +170,9 @@ def at_streams(streams: int) -> dict[str, Any]:
         handlers = handler_costs(load)
     default = handlers["sk_storage"]
     # What every socket pays, watched or not: the empty program's dispatch on the hooks that
-    # drop unwatched sockets at their first instructions (send, ACK), the whole handler on the
-    # read hook, which keeps every thread's last read (relay pairing) whatever the port.
+    # drop unwatched sockets at their first instructions (send, ACK), and the whole handler
+    # on the read hook, which has no port filter (it tests the reading process's kv_writers
+    # bit first; the SSE clients write to no tracked socket, so that is what they pay).
     floor_ns = sum(
         default[hook]["events_per_token"]
         * default[hook if hook in UNFILTERED_HOOKS else floor]["ns_per_event"]

@@ -10,14 +10,13 @@ reading blocks the engine as it would for a long generation."""
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvwatch.stack import free_port
+from kvwatch.stack import Service, free_port
 
 PROXIES = ("nginx", "haproxy")
 START_SECONDS = 10.0
@@ -90,25 +89,17 @@ backend engine
 
 @dataclass
 class Proxy:
-    """A running proxy: its name, its client-facing port and its master process."""
+    """A running proxy: its master process (a kvwatch.stack Service) and its client port."""
 
-    name: str
+    service: Service
     port: int
-    popen: subprocess.Popen[bytes]
-    log: Path
 
     @property
-    def pid(self) -> int:
-        return self.popen.pid
+    def name(self) -> str:
+        return self.service.name
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
+        self.service.stop()
 
 
 def start_proxy(name: str, workdir: Path, upstream_port: int, small_buffers: bool) -> Proxy:
@@ -138,7 +129,7 @@ def start_proxy(name: str, workdir: Path, upstream_port: int, small_buffers: boo
         popen = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    proxy = Proxy(name, port, popen, log)
+    proxy = Proxy(Service(name, popen, log), port)
     deadline = time.monotonic() + START_SECONDS
     while time.monotonic() < deadline:
         if popen.poll() is not None:

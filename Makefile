@@ -3,10 +3,10 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-BPF_OBJ := agent/bpf/kvwatch.bpf.o
+BPF_OBJ := agent/collect/bpf/kvwatch.bpf.o
 BPF_SRC := $(wildcard bpf/*.c bpf/*.h)
-# The CO-RE object, and the sources BCC compiles at start-up (package data, kvwatch/bpf/csrc).
-BPF_BUILT := $(BPF_OBJ) agent/bpf/csrc/kvwatch_bcc.c
+# The CO-RE object, and the sources BCC compiles at start-up (package data, kvwatch/collect/bpf/csrc).
+BPF_BUILT := $(BPF_OBJ) agent/collect/bpf/csrc/kvwatch_bcc.c
 STAMP := $(VENV)/.kvwatch-installed
 
 .PHONY: setup bpf test demo bench lint clean kernel-matrix
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 bpf: $(BPF_BUILT)
 
 $(BPF_BUILT) &: $(BPF_SRC) | $(STAMP)
-	$(MAKE) -C bpf OUT=$(abspath $(BPF_OBJ)) BCC_DIR=$(abspath agent/bpf/csrc)
+	$(MAKE) -C bpf OUT=$(abspath $(BPF_OBJ)) BCC_DIR=$(abspath agent/collect/bpf/csrc)
 
 test: setup
 	$(PY) -m pytest -ra $(PYTEST_ARGS)

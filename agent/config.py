@@ -27,15 +27,14 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib
 
-from kvwatch.bpf.layout import MAX_FILTER_PORTS
-from kvwatch.bpf.loader import SEND_MODES
+from kvwatch.collect.bpf.layout import MAX_FILTER_PORTS
+from kvwatch.collect.bpf.loader import SEND_MODES
+from kvwatch.collect.table import Backend
 from kvwatch.errors import ConfigError
-from kvwatch.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StatePolicy
+from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StatePolicy
 
 Mode = Literal["observe", "enforce"]
 Action = Literal["cancel", "reset"]
-Backend = Literal["auto", "core", "bcc", "diag"]
-BACKENDS: tuple[Backend, ...] = get_args(Backend)
 ENV_PREFIX = "KVWATCH_"
 # The most entries the kernel gives a BPF hash map: its bucket table (a power of two of
 # 16-byte buckets) must stay under 4 GiB (kernel/bpf/hashtab.c, htab_map_alloc).
@@ -44,7 +43,7 @@ MAX_SOCKETS_LIMIT = 1 << 28
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """When a stalled stream is acted on, and how (kvwatch.policy.decide reads only this).
+    """When a stalled stream is acted on, and how (kvwatch.policy.rules.decide reads only this).
 
     Rules: deny lists win over allow lists; an empty allow list allows every value of its kind;
     a stream must pass every non-empty allow list. Port rules match the local port; `comms`
@@ -71,7 +70,7 @@ class PolicyConfig:
         return self.mode == "enforce"
 
     def state_policy(self) -> StatePolicy:
-        """The judge's thresholds (kvwatch.states), from the same settings."""
+        """The judge's thresholds (kvwatch.streams.states), from the same settings."""
         return StatePolicy(
             stall_seconds=self.stall_seconds,
             min_reader_bytes_per_second=self.min_reader_bytes_per_second,

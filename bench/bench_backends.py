@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, write_result
-from kvwatch.bpf.bcc import HEADERS_ENV
+from kvwatch.collect.bpf.bcc import HEADERS_ENV
 
 REPEATS = 3
 MB = 1_000_000
@@ -43,8 +43,8 @@ BCC_PACKAGES = ("python3-bpfcc", "libbpfcc", "libllvm14", "libclang-cpp14")
 def child(backend: str) -> None:
     """One start: import, build the collector, report, close. Prints one JSON line."""
     started = time.monotonic()
-    from kvwatch.bpf.collector import BpfCollector
-    from kvwatch.bpf.loader import CollectorSettings
+    from kvwatch.collect.bpf.collector import BpfCollector
+    from kvwatch.collect.bpf.loader import CollectorSettings
 
     imported = time.monotonic()
     collector = BpfCollector(CollectorSettings(ports=(9,)), backend)  # type: ignore[arg-type]
@@ -143,7 +143,7 @@ def main() -> None:
             done.append(one_start(backend, tree.headers))
             print(f"round {round_index + 1}: {backend} {done[-1]}", file=sys.stderr)
     core_disk = installed_mb(CORE_PACKAGES)
-    core_disk["kvwatch.bpf.o"] = Path("agent/bpf/kvwatch.bpf.o").stat().st_size / MB
+    core_disk["kvwatch.bpf.o"] = Path("agent/collect/bpf/kvwatch.bpf.o").stat().st_size / MB
     bcc_disk = installed_mb(BCC_PACKAGES)
     bcc_disk[f"headers ({tree.release})"] = tree_mb(tree.headers)
     result = {

@@ -38,10 +38,10 @@ from typing import Any
 from bench import bench_footprint, collector_cpu
 from bench.common import RESULTS, write_result
 from bench.token_load import TokenLoad, TokenPump
-from kvwatch.bpf.collector import BpfCollector
-from kvwatch.bpf.libbpf import check_ptr, check_rc, libbpf
-from kvwatch.bpf.loader import STORAGES, CollectorSettings
-from kvwatch.bpf.runstats import ProgramRunStats, program_run_stats, set_stats_enabled
+from kvwatch.collect.bpf.collector import BpfCollector
+from kvwatch.collect.bpf.libbpf import check_ptr, check_rc, libbpf
+from kvwatch.collect.bpf.loader import STORAGES, CollectorSettings
+from kvwatch.collect.bpf.runstats import ProgramRunStats, program_run_stats, set_stats_enabled
 
 STREAM_COUNTS = (64, 1_000)
 # The node's token rate, shared by its streams: paced as decode steps pace them, below what

@@ -51,14 +51,14 @@ from typing import Any
 
 from bench.common import RESULTS, write_result
 from bench.stack import engine_connection, stall_arrivals
-from kvwatch import demo
-from kvwatch.demo import PROMPT, scrape
+from kvwatch.harness import demo
 from kvwatch.errors import KvwatchError
+from kvwatch.harness.demo import PROMPT, scrape
+from kvwatch.harness.stack import Stack
 from kvwatch.loadgen import LoadPlan, LoadReport, run_load
 from kvwatch.loadgen.report import ClassStats
 from kvwatch.loadgen.runner import ProgressCallback
-from kvwatch.stack import Stack
-from kvwatch.states import DEFAULT_MIN_READER_BYTES_PER_SECOND
+from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND
 
 KV_BLOCKS = 450
 ENGINE_ARGS = demo.engine_args(KV_BLOCKS)

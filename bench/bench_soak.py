@@ -29,9 +29,9 @@ import httpx
 import psutil
 
 from bench.common import RESULTS, write_result
-from kvwatch.demo import scrape
+from kvwatch.harness.demo import scrape
+from kvwatch.harness.stack import Stack
 from kvwatch.hook import CancelOutcome, EngineHook, EngineInfo
-from kvwatch.stack import Stack
 
 DEFAULT_SECONDS = 300.0
 CHURN_PER_SECOND = 4000

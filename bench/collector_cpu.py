@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from bench.token_load import TokenLoad, TokenPump
-from kvwatch.bpf.collector import BpfCollector
-from kvwatch.bpf.loader import BpfPrograms, CollectorSettings
+from kvwatch.collect.bpf.collector import BpfCollector
+from kvwatch.collect.bpf.loader import BpfPrograms, CollectorSettings
 from kvwatch.daemon.core import BPF_SCAN_SECONDS
 
 PUMP_PAIRS = 120

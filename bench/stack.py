@@ -1,4 +1,4 @@
-"""Benchmark-only load shapes on top of kvwatch.stack: stalled clients that arrive at random
+"""Benchmark-only load shapes on top of kvwatch.harness.stack: stalled clients that arrive at random
 times rather than all together."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * Structs shared by the BPF programs and kvwatch's Python mirror (kvwatch/bpf/layout.py).
+ * Structs shared by the BPF programs and kvwatch's Python mirror (kvwatch/collect/bpf/layout.py).
  * Fixed-width types, largest first, no hidden padding: tests check the Python mirror against
  * the BTF of the compiled object. Change both sides together.
  */

@@ -4,7 +4,7 @@
  * BCC compiles this file at start-up against the running kernel's headers, so every field
  * offset is that kernel's own. The logic is kvwatch_socket.h and kvwatch_hooks.h, the same
  * text the CO-RE build compiles; this file holds BCC's maps and thin hook wrappers.
- * Userspace (kvwatch/bpf/bcc.py) passes -DKV_MAX_SOCKETS and the include path, writes
+ * Userspace (kvwatch/collect/bpf/bcc.py) passes -DKV_MAX_SOCKETS and the include path, writes
  * kv_settings before attaching, and attaches one send program: kprobe, else the
  * sock_send_length raw tracepoint.
  */

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
-from kvwatch.bpf.runstats import program_run_stats
-from kvwatch.collect import needed_sockets
+from kvwatch.collect.bpf.runstats import program_run_stats
+from kvwatch.collect.table import needed_sockets
 from kvwatch.daemon.core import Daemon
 
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvwatch.daemon.core import Daemon
-from kvwatch.daemon.join import StreamView
-from kvwatch.states import StreamState
+from kvwatch.streams.join import StreamView
+from kvwatch.streams.states import StreamState
 
 # Which of a request's sockets names its state in the KV gauges: the one furthest gone.
 SEVERITY = (

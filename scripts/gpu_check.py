@@ -14,8 +14,8 @@ import json
 import sys
 import time
 
+from kvwatch.collect.gpu import GpuInventory
 from kvwatch.errors import EXIT_OK, EXIT_PRIVILEGE
-from kvwatch.gpu import GpuInventory
 
 
 def main(argv: list[str] | None = None) -> int:

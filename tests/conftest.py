@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.bpf.loader import DEFAULT_OBJECT
-from kvwatch.doctor import parse_effective_capabilities
+from kvwatch.collect.bpf.loader import DEFAULT_OBJECT
+from kvwatch.tools.doctor import parse_effective_capabilities
 
 REQUIRE_BPF_ENV = "KVWATCH_REQUIRE_BPF"
 

@@ -6,8 +6,8 @@ import json
 
 import click
 
-from kvwatch.baseline import save_snapshot, take_snapshot
-from kvwatch.baseline_diff import diff_json, diff_lines, diff_snapshots, load_snapshot
+from kvwatch.tools.baseline import save_snapshot, take_snapshot
+from kvwatch.tools.baseline_diff import diff_json, diff_lines, diff_snapshots, load_snapshot
 
 
 @click.group("baseline")

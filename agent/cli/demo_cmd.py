@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kvwatch.demo import DemoSettings, run_demo, summary_rows
+from kvwatch.harness.demo import DemoSettings, run_demo, summary_rows
 
 
 @click.command("demo")

@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvwatch.client import DEFAULT_AGENT_URL
-from kvwatch.doctor import HOOK_SOCKET, checks_json, node_can_run_agent, run_checks
 from kvwatch.errors import EXIT_PRIVILEGE
+from kvwatch.tools.client import DEFAULT_AGENT_URL
+from kvwatch.tools.doctor import HOOK_SOCKET, checks_json, node_can_run_agent, run_checks
 
 STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "dim"}
 

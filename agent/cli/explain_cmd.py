@@ -8,8 +8,8 @@ from typing import Any
 import click
 from rich.console import Console
 
-from kvwatch.client import DEFAULT_AGENT_URL, get_json
-from kvwatch.views import human_bytes
+from kvwatch.streams.view import human_bytes
+from kvwatch.tools.client import DEFAULT_AGENT_URL, get_json
 
 EVENT_TEXT = {
     "accepted": "connection accepted",

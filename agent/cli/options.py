@@ -7,9 +7,9 @@ from typing import Any, TypeVar
 
 import click
 
-from kvwatch.bpf.loader import SEND_MODES, CollectorSettings
-from kvwatch.config import BACKENDS
-from kvwatch.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StatePolicy, StreamState
+from kvwatch.collect.bpf.loader import SEND_MODES, CollectorSettings
+from kvwatch.collect.table import BACKENDS
+from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StatePolicy, StreamState
 
 F = TypeVar("F", bound=Callable[..., Any])
 

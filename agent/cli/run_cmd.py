@@ -11,14 +11,14 @@ import socket
 
 import click
 
+from kvwatch.api.routes import build_app
+from kvwatch.api.server import ApiServer
 from kvwatch.cli.options import collector_options
 from kvwatch.config import load_config
-from kvwatch.daemon.api import build_app
-from kvwatch.daemon.api_server import ApiServer
 from kvwatch.daemon.core import Daemon
-from kvwatch.logrepeat import RepeatFilter
-from kvwatch.preflight import check_before_start, raise_descriptor_limit
-from kvwatch.sdnotify import Watchdog, notify
+from kvwatch.daemon.logrepeat import RepeatFilter
+from kvwatch.daemon.preflight import check_before_start, raise_descriptor_limit
+from kvwatch.tools.sdnotify import Watchdog, notify
 
 log = logging.getLogger("kvwatch")
 M_ARENA_MAX = -8

@@ -17,12 +17,12 @@ from kvwatch.cli.options import (
     state_filter_option,
     state_policy,
 )
-from kvwatch.client import DEFAULT_AGENT_URL, get_json
-from kvwatch.collect import OpenedCollector, open_collector
+from kvwatch.collect.table import OpenedCollector, open_collector
 from kvwatch.errors import KvwatchError
 from kvwatch.sockets import Endpoint
-from kvwatch.states import StatePolicy
-from kvwatch.views import socket_json, sockets_table
+from kvwatch.streams.states import StatePolicy
+from kvwatch.streams.view import socket_json, sockets_table
+from kvwatch.tools.client import DEFAULT_AGENT_URL, get_json
 
 AGENT_TIMEOUT_SECONDS = 2.0
 

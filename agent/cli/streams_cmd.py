@@ -11,9 +11,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvwatch.cli.options import state_filter_option
-from kvwatch.client import DEFAULT_AGENT_URL, get_json
-from kvwatch.states import StreamState
-from kvwatch.views import STATE_STYLES, kv_text
+from kvwatch.streams.states import StreamState
+from kvwatch.streams.view import STATE_STYLES, kv_text
+from kvwatch.tools.client import DEFAULT_AGENT_URL, get_json
 
 
 @click.command("streams")

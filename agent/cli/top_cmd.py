@@ -15,7 +15,7 @@ from kvwatch.cli.options import (
     state_filter_option,
     state_policy,
 )
-from kvwatch.client import DEFAULT_AGENT_URL
+from kvwatch.tools.client import DEFAULT_AGENT_URL
 from kvwatch.top.app import print_frame, run_live, run_piped
 from kvwatch.top.model import SORT_KEYS, RowFilter
 from kvwatch.top.sources import DaemonSource, FrameSource, StandaloneSource

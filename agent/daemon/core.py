@@ -10,11 +10,13 @@ import time
 
 from prometheus_client import Histogram
 
-from kvwatch.audit import AuditLog
-from kvwatch.bpf.collector import BpfCollector, SocketEvent
-from kvwatch.bpf.loader import CollectorSettings
-from kvwatch.bpf.maps import EventRing
-from kvwatch.collect import (
+from kvwatch.act.actions import Actions
+from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
+from kvwatch.collect.bpf.loader import CollectorSettings
+from kvwatch.collect.bpf.maps import EventRing
+from kvwatch.collect.gpu import GpuInventory, NvmlApi
+from kvwatch.collect.procfs import Procfs
+from kvwatch.collect.table import (
     MergedCollector,
     OpenedCollector,
     TableStatus,
@@ -22,18 +24,16 @@ from kvwatch.collect import (
     open_collector,
 )
 from kvwatch.config import AgentConfig
-from kvwatch.daemon.actions import Actions
-from kvwatch.daemon.decide import Decider
-from kvwatch.daemon.hook_registry import EngineStream
-from kvwatch.daemon.hook_server import HookServer
-from kvwatch.daemon.join import Joiner, StreamView
-from kvwatch.daemon.relay import RelayIndex, RelayLink
-from kvwatch.daemon.timeline import Timelines, connection_id
-from kvwatch.daemon.watch import StallWatch
-from kvwatch.gpu import GpuInventory, NvmlApi
-from kvwatch.procfs import Procfs
+from kvwatch.hookserver.registry import EngineStream
+from kvwatch.hookserver.server import HookServer
+from kvwatch.policy.audit import AuditLog
+from kvwatch.policy.decide import Decider
 from kvwatch.sockets import SocketSample
-from kvwatch.states import StallJudgement, stall_since_ns
+from kvwatch.streams.join import Joiner, StreamView
+from kvwatch.streams.relay import RelayIndex, RelayLink
+from kvwatch.streams.stall_timers import StallWatch
+from kvwatch.streams.states import StallJudgement, stall_since_ns
+from kvwatch.streams.timeline import Timelines, connection_id
 
 log = logging.getLogger(__name__)
 

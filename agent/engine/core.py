@@ -33,7 +33,7 @@ from kvwatch.engine.requests import (
 from kvwatch.engine.runner import ModelRunner, Sampling
 from kvwatch.engine.scheduler import Scheduler, SeqStatus, Sequence
 from kvwatch.engine.stepper import StepExecutor
-from kvwatch.hook.api import CancelOutcome
+from kvwatch.hookwire.types import CancelOutcome
 
 IDLE_WAIT_SECONDS = 0.1
 FINISHED_IDS_REMEMBERED = 4096

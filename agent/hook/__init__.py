@@ -3,14 +3,14 @@
 Never imports torch. See docs/protocol.md for the wire protocol and `EngineHook` for use.
 """
 
-from kvwatch.hook.api import (
+from kvwatch.hook.engine_hook import EngineHook
+from kvwatch.hookwire.types import (
     DEFAULT_SOCKET_PATH,
     SOCKET_PATH_ENV,
     CancelHandler,
     CancelOutcome,
     EngineInfo,
 )
-from kvwatch.hook.engine_hook import EngineHook
 
 __all__ = [
     "DEFAULT_SOCKET_PATH",

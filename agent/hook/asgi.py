@@ -24,12 +24,12 @@ import threading
 from collections.abc import Awaitable, Callable
 
 from kvwatch.errors import ConfigError
-from kvwatch.hook.api import CancelOutcome, EngineInfo
 from kvwatch.hook.asgi_conn import Connection, find_connection
 from kvwatch.hook.asgi_egress import EgressBudget
 from kvwatch.hook.asgi_kv import KvGeometry, detect
 from kvwatch.hook.asgi_stream import Message, Receive, RequestStream, Scope, Send, header
 from kvwatch.hook.engine_hook import EngineHook
+from kvwatch.hookwire.types import CancelOutcome, EngineInfo
 
 BYTES_PER_TOKEN_ENV = "KVWATCH_KV_BYTES_PER_TOKEN"
 EGRESS_BUFFER_ENV = "KVWATCH_EGRESS_BUFFER_BYTES"

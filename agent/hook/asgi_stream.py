@@ -8,11 +8,11 @@ import threading
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from kvwatch.hook.api import CancelOutcome
 from kvwatch.hook.asgi_conn import Connection
 from kvwatch.hook.asgi_egress import EgressBudget, EgressBuffer
 from kvwatch.hook.asgi_kv import KvGeometry, prompt_tokens
 from kvwatch.hook.engine_hook import EngineHook
+from kvwatch.hookwire.types import CancelOutcome
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

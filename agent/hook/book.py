@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvwatch.errors import ConfigError, ProtocolError
-from kvwatch.hook.api import EngineInfo
-from kvwatch.protocol import Close, Hello, Message, Open, Update
+from kvwatch.hookwire.protocol import Close, Hello, Message, Open, Update
+from kvwatch.hookwire.types import EngineInfo
 from kvwatch.sockets import Endpoint
 
 COUNTER_NAMES = (

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvwatch.errors import ProtocolError
-from kvwatch.hook.api import CancelHandler, CancelOutcome
 from kvwatch.hook.book import Counters
-from kvwatch.protocol import Cancel, Cancelled
+from kvwatch.hookwire.protocol import Cancel, Cancelled
+from kvwatch.hookwire.types import CancelHandler, CancelOutcome
 
 MAX_CANCELS_IN_FLIGHT = 32
 MAX_DETAIL_CHARS = 1000

@@ -9,10 +9,10 @@ import threading
 import time
 
 from kvwatch.errors import ConfigError, ProtocolError
-from kvwatch.hook.api import CancelHandler, EngineInfo, resolve_socket_path
 from kvwatch.hook.book import Counters, StreamBook
 from kvwatch.hook.cancels import CancelRunner
 from kvwatch.hook.session import Session, Waker
+from kvwatch.hookwire.types import CancelHandler, EngineInfo, resolve_socket_path
 from kvwatch.sockets import Endpoint
 
 CONNECT_TIMEOUT_SECONDS = 0.5

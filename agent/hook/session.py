@@ -14,7 +14,15 @@ from collections.abc import Sequence
 from kvwatch.errors import ProtocolError
 from kvwatch.hook.book import Counters, StreamBook
 from kvwatch.hook.cancels import CancelRunner
-from kvwatch.protocol import Cancel, Cancelled, ErrorMessage, LineFramer, Message, Welcome, encode
+from kvwatch.hookwire.protocol import (
+    Cancel,
+    Cancelled,
+    ErrorMessage,
+    LineFramer,
+    Message,
+    Welcome,
+    encode,
+)
 
 SEND_CHUNK_BYTES = 64 * 1024
 OUT_LOW_WATER_BYTES = 64 * 1024

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.sockets import Endpoint
-from kvwatch.states import StreamState
+from kvwatch.streams.states import StreamState
 
 Row = dict[str, Any]
 SORT_KEYS = ("stuck", "state", "kv", "fill", "age", "port", "pid")

@@ -15,9 +15,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvwatch.states import StreamState
+from kvwatch.streams.states import StreamState
+from kvwatch.streams.view import ESTIMATE_MARK, STATE_STYLES, human_bytes
 from kvwatch.top.model import Frame, Header, Row, RowFilter, fill_fraction
-from kvwatch.views import ESTIMATE_MARK, STATE_STYLES, human_bytes
 
 COLUMN_GAP = 1
 HOOK_ABBREVIATIONS = {"zero_window_probe": "zw_probe"}

@@ -8,11 +8,12 @@ from typing import Any, Protocol
 
 import httpx
 
-from kvwatch.bpf.loader import CollectorSettings
-from kvwatch.collect import MergedCollector, open_collector
+from kvwatch.collect.bpf.loader import CollectorSettings
+from kvwatch.collect.gpu import GpuInventory
+from kvwatch.collect.table import MergedCollector, open_collector
 from kvwatch.errors import KvwatchError
-from kvwatch.gpu import GpuInventory
-from kvwatch.states import StatePolicy
+from kvwatch.streams.states import StatePolicy
+from kvwatch.streams.view import socket_json
 from kvwatch.top.model import (
     CancelRate,
     Frame,
@@ -22,7 +23,6 @@ from kvwatch.top.model import (
     parse_metrics,
     stalled_kv_bytes,
 )
-from kvwatch.views import socket_json
 
 REQUEST_TIMEOUT_SECONDS = 2.0
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvwatch.bpf.bcc import HEADERS_ENV
+from kvwatch.collect.bpf.bcc import HEADERS_ENV
 from scripts.kernel_matrix.kernels import KernelTree
 
 REPO = Path(__file__).resolve().parents[2]

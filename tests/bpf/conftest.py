@@ -8,10 +8,10 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvwatch.bpf.collector import BpfCollector, SocketEvent
-from kvwatch.bpf.layout import KvSockRecord
-from kvwatch.bpf.loader import CollectorSettings
-from kvwatch.scenario import Scenario
+from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
+from kvwatch.collect.bpf.layout import KvSockRecord
+from kvwatch.collect.bpf.loader import CollectorSettings
+from kvwatch.harness.scenario import Scenario
 from kvwatch.sockets import SocketSample
 
 T = TypeVar("T")

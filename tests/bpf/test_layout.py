@@ -6,9 +6,9 @@ import ctypes
 
 import pytest
 
-from kvwatch.bpf.btf import BtfFile, struct_layout
-from kvwatch.bpf.layout import MIRRORED_STRUCTS
-from kvwatch.bpf.loader import DEFAULT_OBJECT
+from kvwatch.collect.bpf.btf import BtfFile, struct_layout
+from kvwatch.collect.bpf.layout import MIRRORED_STRUCTS
+from kvwatch.collect.bpf.loader import DEFAULT_OBJECT
 
 
 @pytest.mark.bpf

@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvwatch.bpf.collector import BpfCollector, SocketEvent
-from kvwatch.diag.snapshot import take_snapshot
-from kvwatch.scenario import Scenario
+from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
+from kvwatch.collect.diag.snapshot import take_snapshot
+from kvwatch.harness.scenario import Scenario
 from tests.bpf.conftest import EventLog, in_zero_window, server_side, wait_for, wait_for_server_side
 
 pytestmark = pytest.mark.bpf

@@ -13,7 +13,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from kvwatch.bpf.collector import BpfCollector
+from kvwatch.collect.bpf.collector import BpfCollector
 from kvwatch.sockets import Endpoint, SocketSample
 from tests.bpf.conftest import wait_for
 

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvwatch.bpf.collector import BpfCollector, record_to_sample
-from kvwatch.bpf.layout import KvSockRecord
-from kvwatch.bpf.loader import CollectorSettings
+from kvwatch.collect.bpf.collector import BpfCollector, record_to_sample
+from kvwatch.collect.bpf.layout import KvSockRecord
+from kvwatch.collect.bpf.loader import CollectorSettings
 from kvwatch.errors import BpfError
-from kvwatch.scenario import Scenario
-from kvwatch.states import StatePolicy
-from kvwatch.views import socket_json
+from kvwatch.harness.scenario import Scenario
+from kvwatch.streams.states import StatePolicy
+from kvwatch.streams.view import socket_json
 from tests.bpf.conftest import (
     EventLog,
     differences,

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
-from kvwatch.bpf.collector import BpfCollector, SocketEvent
-from kvwatch.scenario import Scenario
+from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
+from kvwatch.harness.scenario import Scenario
 from kvwatch.sockets import SocketSample
-from kvwatch.states import StatePolicy, StreamState, classify
+from kvwatch.streams.states import StatePolicy, StreamState, classify
 from tests.bpf.conftest import EventLog, in_zero_window, server_side, wait_for, wait_for_server_side
 
 pytestmark = pytest.mark.bpf

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.bpf.loader import SEND_MODES, tracepoint_mode_for_kernel
+from kvwatch.collect.bpf.loader import SEND_MODES, tracepoint_mode_for_kernel
 from kvwatch.errors import EXIT_PRIVILEGE
-from kvwatch.scenario import Scenario
+from kvwatch.harness.scenario import Scenario
 from tests.bpf.conftest import READING_FLAVOURS
 
 KVWATCH = [sys.executable, "-m", "kvwatch.cli"]

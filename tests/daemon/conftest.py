@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from kvwatch.daemon.hook_registry import EngineStream
-from kvwatch.daemon.hook_server import HookServer
 from kvwatch.hook import CancelHandler, CancelOutcome, EngineHook, EngineInfo
-from kvwatch.protocol import LineFramer, Message, encode
+from kvwatch.hookserver.registry import EngineStream
+from kvwatch.hookserver.server import HookServer
+from kvwatch.hookwire.protocol import LineFramer, Message, encode
 
 WAIT_SECONDS = 5.0
 BYTES_PER_BLOCK = 16384

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvwatch.harness.stack import Stack
 from kvwatch.hook import CancelOutcome, EngineHook
-from kvwatch.stack import Stack
 from tests.daemon.conftest import ENGINE_INFO
 
 NOBODY_UID = 65534

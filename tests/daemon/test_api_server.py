@@ -13,11 +13,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Route
 
-from kvwatch.daemon import api_server
-from kvwatch.daemon.api import JSONResponse
-from kvwatch.daemon.api_server import ApiServer
-from kvwatch.logrepeat import RepeatFilter
-from kvwatch.preflight import bind_listen_address
+from kvwatch.api import server as api_server
+from kvwatch.api.routes import JSONResponse
+from kvwatch.api.server import ApiServer
+from kvwatch.daemon.logrepeat import RepeatFilter
+from kvwatch.daemon.preflight import bind_listen_address
 from tests.daemon.conftest import run_async, wait_until
 
 

@@ -10,19 +10,19 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
-from kvwatch.audit import AuditLog
+from kvwatch.act.actions import Actions
+from kvwatch.collect.gpu import GpuInventory
+from kvwatch.collect.procfs import Procfs
 from kvwatch.config import PolicyConfig
-from kvwatch.daemon.actions import Actions
-from kvwatch.daemon.decide import Decider
-from kvwatch.daemon.hook_server import HookServer
-from kvwatch.daemon.join import Joiner
-from kvwatch.daemon.relay import RelayIndex
-from kvwatch.daemon.timeline import Timelines
-from kvwatch.daemon.watch import StallWatch
-from kvwatch.gpu import GpuInventory
-from kvwatch.procfs import Procfs
+from kvwatch.hookserver.server import HookServer
+from kvwatch.policy.audit import AuditLog
+from kvwatch.policy.decide import Decider
 from kvwatch.sockets import Endpoint, SocketSample
-from kvwatch.states import StallJudgement, judge
+from kvwatch.streams.join import Joiner
+from kvwatch.streams.relay import RelayIndex
+from kvwatch.streams.stall_timers import StallWatch
+from kvwatch.streams.states import StallJudgement, judge
+from kvwatch.streams.timeline import Timelines
 
 from .conftest import run_async, wait_until
 

@@ -12,10 +12,10 @@ import socket
 
 import pytest
 
-from kvwatch.daemon import accept
-from kvwatch.daemon.accept import AcceptLoop
-from kvwatch.daemon.hook_registry import EngineStream, HookCounters, StreamRegistry
-from kvwatch.protocol import ErrorMessage, Hello, Welcome
+from kvwatch import accept
+from kvwatch.accept import AcceptLoop
+from kvwatch.hookserver.registry import EngineStream, HookCounters, StreamRegistry
+from kvwatch.hookwire.protocol import ErrorMessage, Hello, Welcome
 from kvwatch.sockets import Endpoint
 from tests.daemon.conftest import RawEngine, engine_hook, run_async, running_server, wait_until
 
@@ -148,7 +148,7 @@ def test_running_out_of_descriptors_pauses_accepting_and_logs_once(
         listener.close()
         peer.close()
 
-    with caplog.at_level(logging.WARNING, logger="kvwatch.daemon.accept"):
+    with caplog.at_level(logging.WARNING, logger="kvwatch.accept"):
         run_async(scenario(), timeout_seconds=60)
     assert len(freed) == failures  # each failure tried to free a descriptor
     messages = [record.getMessage() for record in caplog.records]

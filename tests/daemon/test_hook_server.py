@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from kvwatch.daemon.hook_server import EngineStream, HookServer
 from kvwatch.errors import ConfigError
 from kvwatch.hook import CancelOutcome, EngineHook
-from kvwatch.protocol import (
+from kvwatch.hookserver.server import EngineStream, HookServer
+from kvwatch.hookwire.protocol import (
     Cancel,
     Cancelled,
     Close,

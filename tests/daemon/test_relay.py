@@ -1,11 +1,11 @@
-"""The relay join (kvwatch.daemon.relay): a proxy's client socket inherits its upstream's
+"""The relay join (kvwatch.streams.relay): a proxy's client socket inherits its upstream's
 request only on clear evidence, and says why not otherwise."""
 
 from __future__ import annotations
 
-from kvwatch.daemon.hook_registry import EngineStream
-from kvwatch.daemon.relay import MIN_FEEDS, RelayIndex
+from kvwatch.hookserver.registry import EngineStream
 from kvwatch.sockets import Endpoint, Feeder, SocketSample
+from kvwatch.streams.relay import MIN_FEEDS, RelayIndex
 from tests.units.test_judge import zero_window as stalled_sample
 
 ENGINE = Endpoint("10.0.0.4", 8000)
@@ -91,9 +91,9 @@ def test_a_socket_the_engine_announced_is_joined_directly() -> None:
 
 
 def test_a_request_seen_at_the_proxy_and_the_engine_counts_its_kv_once() -> None:
-    from kvwatch.daemon.join import StreamView
     from kvwatch.exporters.streams import by_request
-    from kvwatch.states import StatePolicy, StreamState, judge
+    from kvwatch.streams.join import StreamView
+    from kvwatch.streams.states import StatePolicy, StreamState, judge
 
     policy = StatePolicy(stall_seconds=3.0)
     stream = request("cmpl-1", 1_000)
@@ -110,7 +110,7 @@ def test_a_request_seen_at_the_proxy_and_the_engine_counts_its_kv_once() -> None
 
 
 def test_a_socket_fed_by_a_request_kvwatch_cancelled_says_so() -> None:
-    from kvwatch.daemon.relay import Cancels
+    from kvwatch.streams.relay import Cancels
 
     cancels = Cancels()
     cancels.add(request("cmpl-1", 1_000), cancelled_ns=5_000)

@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvwatch.api.routes import build_app
 from kvwatch.config import load_config
-from kvwatch.daemon import timeline
-from kvwatch.daemon.api import build_app
 from kvwatch.daemon.core import Daemon
-from kvwatch.daemon.timeline import Timelines
 from kvwatch.hook import CancelOutcome, EngineHook
+from kvwatch.streams import timeline
+from kvwatch.streams.timeline import Timelines
 from tests.daemon.conftest import ENGINE_INFO, run_async, wait_until
 
 

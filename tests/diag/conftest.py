@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvwatch.diag import DiagClient, DiagEntry
+from kvwatch.collect.diag import DiagClient, DiagEntry
 from kvwatch.sockets import Endpoint
 
 SO_COOKIE = getattr(socket, "SO_COOKIE", 57)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvwatch.diag import DestroyResult, DiagClient, destroy_socket
+from kvwatch.collect.diag import DestroyResult, DiagClient, destroy_socket
 
 from .conftest import SMALL_RCVBUF_BYTES, PairFactory, TcpPair, wait_for_entry
 
@@ -82,7 +82,7 @@ def test_destroy_ipv6_and_mapped(
 
 _UNPRIVILEGED_DESTROY = """
 import sys
-from kvwatch.diag import destroy_socket
+from kvwatch.collect.diag import destroy_socket
 from kvwatch.errors import PrivilegeError
 from kvwatch.sockets import Endpoint
 try:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvwatch.diag import DiagClient, DiagTracker, take_snapshot
+from kvwatch.collect.diag import DiagClient, DiagTracker, take_snapshot
 from kvwatch.errors import KvwatchError
 from kvwatch.sockets import Endpoint
 

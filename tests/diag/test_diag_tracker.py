@@ -8,8 +8,8 @@ import threading
 import time
 from typing import Any
 
-from kvwatch.diag import PEER_RWND_UNKNOWN, DiagClient, DiagEntry, DiagSnapshot, DiagTracker
-from kvwatch.diag.wire import TIMER_PERSIST, TcpInfo
+from kvwatch.collect.diag import PEER_RWND_UNKNOWN, DiagClient, DiagEntry, DiagSnapshot, DiagTracker
+from kvwatch.collect.diag.wire import TIMER_PERSIST, TcpInfo
 from kvwatch.sockets import Endpoint, SocketSample
 
 from .conftest import SMALL_RCVBUF_BYTES, PairFactory, wait_for_entry

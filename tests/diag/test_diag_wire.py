@@ -1,4 +1,4 @@
-"""kvwatch.diag.wire against the kernel's bytes and pyroute2's independent decoder."""
+"""kvwatch.collect.diag.wire against the kernel's bytes and pyroute2's independent decoder."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pyroute2 import DiagSocket
 
-from kvwatch.diag.wire import (
+from kvwatch.collect.diag.wire import (
     DIAG_EXTENSIONS,
     INET_DIAG_INFO,
     INET_DIAG_MSG_BYTES,

@@ -1,4 +1,4 @@
-"""kvwatch.procfs: parsers on fixture texts, readers on a fixture tree and on the real /proc."""
+"""kvwatch.collect.procfs: parsers on fixture texts, readers on a fixture tree and on the real /proc."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.procfs import (
+from kvwatch.collect.procfs import (
     ProcessInfo,
     Procfs,
     SocketOwners,

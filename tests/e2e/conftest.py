@@ -1,5 +1,5 @@
 """The real thing, end to end: the reference engine and the agent as processes
-(kvwatch.stack), clients from the load generator, everything on loopback. Requests carry
+(kvwatch.harness.stack), clients from the load generator, everything on loopback. Requests carry
 X-Request-Id `<class>-…`, so the engine's request IDs (`cmpl-stalled-…`) tell which client a
 decision was about."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch import demo
-from kvwatch import stack as processes
+from kvwatch.harness import demo
+from kvwatch.harness import stack as processes
 from kvwatch.loadgen import LoadPlan, LoadReport, run_load
 from kvwatch.loadgen.http import Target, build_request, completion_body
 
@@ -23,7 +23,7 @@ STALL_SECONDS = 2.0
 
 
 class Stack(processes.Stack):
-    """kvwatch.stack.Stack with the tests' engine, a 2 s stall threshold and no grace period,
+    """kvwatch.harness.stack.Stack with the tests' engine, a 2 s stall threshold and no grace period,
     plus the test clients."""
 
     def start_engine(self, *args: str) -> processes.Service:

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvwatch.stack import Service, free_port, wait_until_up
+from kvwatch.harness.stack import Service, free_port, wait_until_up
 from tests.e2e.conftest import Stack
 from tests.e2e.test_agent_loop import metric_value
 from tests.e2e.tiny_gguf import TinyLlama, ascii_forever_bias, write_tiny_llama

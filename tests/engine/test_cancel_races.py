@@ -12,7 +12,7 @@ import pytest
 
 from kvwatch.engine.core import Engine
 from kvwatch.engine.requests import Completion, GenerationRequest, RequestHandle
-from kvwatch.hook.api import CancelOutcome
+from kvwatch.hookwire.types import CancelOutcome
 from tests.engine.conftest import wait_until
 
 pytestmark = pytest.mark.engine

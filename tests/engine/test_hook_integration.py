@@ -20,7 +20,7 @@ import pytest
 
 from kvwatch.engine.core import Engine
 from kvwatch.engine.server import EngineServer, attach_hook
-from kvwatch.protocol import (
+from kvwatch.hookwire.protocol import (
     Cancel,
     Cancelled,
     Close,

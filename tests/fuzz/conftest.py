@@ -12,7 +12,7 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from kvwatch.protocol import MESSAGE_TYPES, PROTOCOL_VERSION
+from kvwatch.hookwire.protocol import MESSAGE_TYPES, PROTOCOL_VERSION
 
 CASES_ENV = "KVWATCH_FUZZ_CASES"
 CI_CASES = 10_000

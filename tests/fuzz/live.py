@@ -11,9 +11,9 @@ from collections import Counter
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
-from kvwatch.daemon.hook_server import HookServer
 from kvwatch.errors import ProtocolError
-from kvwatch.protocol import (
+from kvwatch.hookserver.server import HookServer
+from kvwatch.hookwire.protocol import (
     Cancelled,
     Close,
     Hello,

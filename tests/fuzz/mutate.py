@@ -22,7 +22,7 @@ from collections.abc import Callable
 import psutil
 
 from kvwatch.errors import ProtocolError
-from kvwatch.protocol import (
+from kvwatch.hookwire.protocol import (
     Cancelled,
     Close,
     Hello,

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvwatch.errors import ProtocolError
-from kvwatch.protocol import MAX_NESTING, LineFramer, Message, decode, encode
+from kvwatch.hookwire.protocol import MAX_NESTING, LineFramer, Message, decode, encode
 from tests.fuzz.conftest import fuzz_settings, json_values, message_bodies
 
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvwatch.protocol import Hello, encode
+from kvwatch.hookwire.protocol import Hello, encode
 from tests.fuzz.conftest import fuzz_settings, message_bodies
 from tests.fuzz.live import LiveServer
 

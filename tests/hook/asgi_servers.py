@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from kvwatch.stack import free_port
+from kvwatch.harness.stack import free_port
 
 EVENT_PADDING_BYTES = 900  # about a kilobyte an event: a stalled client's buffers fill fast
 START_SECONDS = 10.0

@@ -1,4 +1,4 @@
-"""A small real agent for the hook tests: a unix-socket server speaking kvwatch.protocol."""
+"""A small real agent for the hook tests: a unix-socket server speaking kvwatch.hookwire.protocol."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvwatch.errors import ProtocolError
 from kvwatch.hook import EngineInfo
-from kvwatch.protocol import LineFramer, Message, encode
+from kvwatch.hookwire.protocol import LineFramer, Message, encode
 
 WAIT_SECONDS = 5.0
 ENGINE_INFO = EngineInfo(

@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI
 
 from kvwatch.hook.asgi import Middleware
-from kvwatch.protocol import Cancel, Cancelled, Close, Hello, Message, Open, Update
+from kvwatch.hookwire.protocol import Cancel, Cancelled, Close, Hello, Message, Open, Update
 from tests.hook.asgi_servers import (
     SseApp,
     completion_request,

@@ -12,7 +12,16 @@ import pytest
 
 from kvwatch.errors import ConfigError
 from kvwatch.hook import DEFAULT_SOCKET_PATH, SOCKET_PATH_ENV, CancelOutcome, EngineHook
-from kvwatch.protocol import Cancel, Cancelled, Close, ErrorMessage, Hello, Message, Open, Update
+from kvwatch.hookwire.protocol import (
+    Cancel,
+    Cancelled,
+    Close,
+    ErrorMessage,
+    Hello,
+    Message,
+    Open,
+    Update,
+)
 from kvwatch.sockets import Endpoint
 from tests.hook.conftest import default_handler
 from tests.hook.hook_agent import ENGINE_INFO, AgentServer, wait_until

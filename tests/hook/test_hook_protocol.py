@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvwatch.errors import ProtocolError
-from kvwatch.protocol import (
+from kvwatch.hookwire.protocol import (
     MAX_LINE_BYTES,
     PROTOCOL_VERSION,
     Cancel,

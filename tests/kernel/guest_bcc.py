@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 
-from kvwatch.bpf.bcc import BCC_SEND_MODES, BCC_TRACEPOINT_MODE, bcc_status
-from kvwatch.bpf.collector import BpfCollector, SocketEvent, record_to_sample
-from kvwatch.bpf.layout import KvSockRecord
-from kvwatch.bpf.loader import CollectorSettings
-from kvwatch.collect import auto_backend
+from kvwatch.collect.bpf.bcc import BCC_SEND_MODES, BCC_TRACEPOINT_MODE, bcc_status
+from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent, record_to_sample
+from kvwatch.collect.bpf.layout import KvSockRecord
+from kvwatch.collect.bpf.loader import CollectorSettings
+from kvwatch.collect.table import auto_backend
 from kvwatch.errors import BpfError
-from kvwatch.scenario import Scenario, ScenarioClient
+from kvwatch.harness.scenario import Scenario, ScenarioClient
 from kvwatch.sockets import Endpoint, SocketSample
-from kvwatch.states import StatePolicy, StreamState, classify
+from kvwatch.streams.states import StatePolicy, StreamState, classify
 from tests.bpf.conftest import EventLog, differences, record_fields, wait_for
 from tests.kernel.guest_modes import endpoint_of, server_side
 

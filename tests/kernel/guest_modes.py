@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvwatch.bpf.collector import BpfCollector, SocketEvent
-from kvwatch.bpf.loader import BTF_SEND_MODES, SEND_MODES, BpfPrograms, CollectorSettings
-from kvwatch.diag.wire import parse_tcp_info
+from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
+from kvwatch.collect.bpf.loader import BTF_SEND_MODES, SEND_MODES, BpfPrograms, CollectorSettings
+from kvwatch.collect.diag.wire import parse_tcp_info
 from kvwatch.errors import BpfError
-from kvwatch.scenario import Scenario, ScenarioClient, abort
+from kvwatch.harness.scenario import Scenario, ScenarioClient, abort
 from kvwatch.sockets import Endpoint, SocketSample
-from kvwatch.states import StatePolicy, StreamState, classify
+from kvwatch.streams.states import StatePolicy, StreamState, classify
 from tests.bpf.conftest import EventLog, wait_for
 from tests.kernel.conftest import libbpf_log
 from tests.kernel.plan import Combo, Offers, best_send_mode, best_tracepoint_mode

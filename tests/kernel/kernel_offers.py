@@ -16,8 +16,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from kvwatch.bpf.libbpf import BTF_KIND_TYPEDEF, libbpf, os_error_text
-from kvwatch.bpf.loader import SEND_TRACEPOINT, TRACEPOINT_HOOKS
+from kvwatch.collect.bpf.libbpf import BTF_KIND_TYPEDEF, libbpf, os_error_text
+from kvwatch.collect.bpf.loader import SEND_TRACEPOINT, TRACEPOINT_HOOKS
 
 SYS_BPF = 321
 SYS_PERF_EVENT_OPEN = 298

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwatch.bpf.loader import SEND_MODES, TRACEPOINT_HOOKS, TRACEPOINT_MODES
+from kvwatch.collect.bpf.loader import SEND_MODES, TRACEPOINT_HOOKS, TRACEPOINT_MODES
 
 FLAVOUR_PARTNER = {"fentry": "tp_btf", "kprobe": "raw_tp", "tp_btf": "tp_btf", "raw_tp": "raw_tp"}
 PROBE0_MODES = ("fentry", "kprobe")

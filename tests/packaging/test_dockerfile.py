@@ -70,11 +70,11 @@ def test_build_stage_compiles_the_bpf_object_and_the_wheels() -> None:
     build, _ = stages()
     assert {"clang", "libbpf-dev", "python3"} <= build.apt_packages()
     runs = " ".join(build.arguments("RUN"))
-    assert "make -C bpf CC=clang OUT=/src/agent/bpf/kvwatch.bpf.o" in runs
-    assert "BCC_DIR=/src/agent/bpf/csrc" in runs
+    assert "make -C bpf CC=clang OUT=/src/agent/collect/bpf/kvwatch.bpf.o" in runs
+    assert "BCC_DIR=/src/agent/collect/bpf/csrc" in runs
     assert "pip wheel --wheel-dir /wheels /src" in runs
     # the wheel is checked to carry the object and BCC's sources
-    assert "kvwatch/bpf/kvwatch.bpf.o" in runs and "kvwatch/bpf/csrc/kvwatch_bcc.c" in runs
+    assert "kvwatch/collect/bpf/kvwatch.bpf.o" in runs and "kvwatch/collect/bpf/csrc/kvwatch_bcc.c" in runs
 
 
 def test_runtime_stage_has_python_libbpf_and_the_wheel_but_no_compiler() -> None:
@@ -103,7 +103,7 @@ def test_build_context_holds_what_the_build_copies() -> None:
             assert (REPO / source).exists(), source
             assert _included(source.rstrip("/"), rules), f"{source} is excluded from the context"
     assert not _included(".venv", rules)
-    assert not _included("agent/bpf/kvwatch.bpf.o", rules)  # built inside, never sent
+    assert not _included("agent/collect/bpf/kvwatch.bpf.o", rules)  # built inside, never sent
 
 
 def _included(path: str, rules: list[str]) -> bool:

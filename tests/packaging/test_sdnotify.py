@@ -1,4 +1,4 @@
-"""kvwatch.sdnotify against real datagram sockets standing in for systemd's notify socket."""
+"""kvwatch.tools.sdnotify against real datagram sockets standing in for systemd's notify socket."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.sdnotify import Watchdog, notify
+from kvwatch.tools.sdnotify import Watchdog, notify
 
 
 @pytest.fixture

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from kvwatch.api import server as api_server
 from kvwatch.config import load_config
-from kvwatch.daemon import api_server, hook_server
+from kvwatch.hookserver import server as hook_server
 from tests.packaging.conftest import AGENT_CAPABILITIES, PACKAGING, require_tool
 
 UNIT = PACKAGING / "systemd" / "kvwatch.service"
@@ -149,7 +150,7 @@ MDWE_PROBE = textwrap.dedent(
         sys.exit("a writable and executable mapping was allowed: MDWE is not in force")
     except OSError:
         pass
-    from kvwatch.bpf.libbpf import RingBufferSampleFn
+    from kvwatch.collect.bpf.libbpf import RingBufferSampleFn
     seen = []
     on_sample = RingBufferSampleFn(lambda ctx, data, size: seen.append(size) or 0)
     compare_type = ctypes.CFUNCTYPE(

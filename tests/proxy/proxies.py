@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvwatch.stack import Service, free_port
+from kvwatch.harness.stack import Service, free_port
 
 PROXIES = ("nginx", "haproxy")
 START_SECONDS = 10.0
@@ -89,7 +89,7 @@ backend engine
 
 @dataclass
 class Proxy:
-    """A running proxy: its master process (a kvwatch.stack Service) and its client port."""
+    """A running proxy: its master process (a kvwatch.harness.stack Service) and its client port."""
 
     service: Service
     port: int

@@ -24,10 +24,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvwatch import demo
-from kvwatch.client import get_json
+from kvwatch.harness import demo
+from kvwatch.harness.stack import kvwatch_command
 from kvwatch.loadgen.http import Target, build_request, completion_body
-from kvwatch.stack import kvwatch_command
+from kvwatch.tools.client import get_json
 from tests.e2e.conftest import Stack
 from tests.e2e.test_agent_loop import metric_value
 from tests.proxy.proxies import PROXIES, Proxy, start_proxy

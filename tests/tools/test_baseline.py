@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.baseline import (
+from kvwatch.errors import EXIT_USAGE, ConfigError
+from kvwatch.tools.baseline import (
     COUNTERS,
     SYSCTLS,
     CgroupPaths,
@@ -24,8 +25,7 @@ from kvwatch.baseline import (
     read_sysctl,
     snapshot_json,
 )
-from kvwatch.baseline_diff import diff_lines, diff_snapshots, load_snapshot
-from kvwatch.errors import EXIT_USAGE, ConfigError
+from kvwatch.tools.baseline_diff import diff_lines, diff_snapshots, load_snapshot
 from tests.tools.conftest import kvwatch
 
 SNMP = """\
@@ -52,7 +52,7 @@ CGROUP_HYBRID = "12:memory:/engine\n4:cpu,cpuacct:/engine\n1:name=systemd:/x\n0:
 NETNS_SESSION = """
 import subprocess, sys, time
 from pathlib import Path
-from kvwatch.scenario import Scenario
+from kvwatch.harness.scenario import Scenario
 a, b = sys.argv[1:3]
 kvwatch = [sys.executable, "-m", "kvwatch.cli", "baseline"]
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.baseline import read_sysctl
-from kvwatch.bpf.loader import tracepoint_mode_for_kernel
-from kvwatch.doctor import (
+from kvwatch.collect.bpf.loader import tracepoint_mode_for_kernel
+from kvwatch.collect.gpu import GpuInventory
+from kvwatch.harness.stack import free_port
+from kvwatch.tools.baseline import read_sysctl
+from kvwatch.tools.doctor import (
     check_gpus,
     check_hook_socket,
     check_sysctls,
     judge_sysctl,
     who_can_connect,
 )
-from kvwatch.gpu import GpuInventory
-from kvwatch.stack import free_port
 from tests.e2e.conftest import Stack
 from tests.tools.conftest import kvwatch
 from tests.units.conftest import GIB, FakeGpu, FakeNvml

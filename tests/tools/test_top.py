@@ -9,11 +9,11 @@ import httpx
 import pytest
 from rich.console import Console
 
-from kvwatch.scenario import Scenario
+from kvwatch.harness.scenario import Scenario
+from kvwatch.streams.view import human_bytes
 from kvwatch.top.keys import KEYS_HELP, Controls
 from kvwatch.top.model import CancelRate, Frame, Header, RowFilter, parse_metrics
 from kvwatch.top.render import COLUMNS, render_frame
-from kvwatch.views import human_bytes
 from tests.e2e.conftest import Stack
 from tests.tools.conftest import KVWATCH, STALLED_REQUEST, Terminal, kvwatch
 

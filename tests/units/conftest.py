@@ -1,6 +1,6 @@
 """The fake NVML: the one stand-in this project allows, because CI machines have no GPU.
 
-`FakeNvml` answers the functions of `kvwatch.gpu.NvmlApi` from a list of `FakeGpu`s. A GPU's
+`FakeNvml` answers the functions of `kvwatch.collect.gpu.NvmlApi` from a list of `FakeGpu`s. A GPU's
 `failing` set names the functions that raise NVMLError for it, so tests can break one GPU and
 see the others survive. On a machine with a GPU, tests/units/test_gpu.py also reads the real one.
 """

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.audit import AuditLog
 from kvwatch.errors import ConfigError
-from kvwatch.policy import Decision
+from kvwatch.policy.audit import AuditLog
+from kvwatch.policy.rules import Decision
 from kvwatch.sockets import Endpoint
-from kvwatch.states import StreamState
+from kvwatch.streams.states import StreamState
 
 WOULD_CANCEL = Decision("would_act", ("cancel",), "stalled", "stalled 3.20 s, 12.0 MiB KV; cancel")
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import kvwatch.collect
-from kvwatch.bpf.bcc import HEADERS_ENV, SYSTEM_PYTHON_DIRS, kernel_headers
-from kvwatch.collect import auto_backend
+import kvwatch.collect.table
+from kvwatch.collect.bpf.bcc import HEADERS_ENV, SYSTEM_PYTHON_DIRS, kernel_headers
+from kvwatch.collect.table import auto_backend
 
 
 def printed_by(probe: str) -> list[str]:
@@ -38,7 +38,7 @@ def test_with_btf_auto_keeps_core_and_says_bcc_is_not_needed() -> None:
 def test_without_btf_auto_picks_bcc_where_headers_are_installed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kvwatch.collect, "BTF_PATH", tmp_path / "no-btf")
+    monkeypatch.setattr(kvwatch.collect.table, "BTF_PATH", tmp_path / "no-btf")
     monkeypatch.setenv(HEADERS_ENV, str(header_tree(tmp_path / "headers")))
     backend, why = auto_backend()
     assert backend == "bcc"
@@ -48,7 +48,7 @@ def test_without_btf_auto_picks_bcc_where_headers_are_installed(
 def test_without_btf_or_headers_auto_falls_back_to_diag_and_says_what_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kvwatch.collect, "BTF_PATH", tmp_path / "no-btf")
+    monkeypatch.setattr(kvwatch.collect.table, "BTF_PATH", tmp_path / "no-btf")
     monkeypatch.setenv(HEADERS_ENV, str(tmp_path / "empty"))
     if kernel_headers() is not None:
         pytest.fail(f"this machine has kernel headers ({kernel_headers()}): the test needs none")
@@ -63,7 +63,7 @@ def test_bcc_is_imported_from_the_system_without_its_neighbours() -> None:
     else from the system's Python directory (here PyYAML's `yaml`) leaks onto the path."""
     probe = (
         "import importlib.util, sys\n"
-        "from kvwatch.bpf.bcc import import_bcc\n"
+        "from kvwatch.collect.bpf.bcc import import_bcc\n"
         "print(import_bcc().__file__)\n"
         "print(importlib.util.find_spec('yaml') is not None and "
         "importlib.util.find_spec('yaml').origin.startswith('/usr/lib/python3/'))\n"
@@ -77,7 +77,7 @@ def test_a_machine_without_bcc_gets_an_error_that_says_what_to_install() -> None
     probe = (
         "import sys\n"
         "sys.modules.pop('bcc', None)\n"
-        "import kvwatch.bpf.bcc as bcc_module\n"
+        "import kvwatch.collect.bpf.bcc as bcc_module\n"
         "bcc_module.SYSTEM_PYTHON_DIRS = ('/nonexistent',)\n"
         "from kvwatch.errors import BpfError\n"
         "try:\n"

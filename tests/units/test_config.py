@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.bpf.loader import SEND_MODES
+from kvwatch.collect.bpf.loader import SEND_MODES
+from kvwatch.collect.table import BACKENDS
 from kvwatch.config import (
-    BACKENDS,
     AgentConfig,
     CollectorConfig,
     PolicyConfig,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pynvml
 
-from kvwatch.gpu import NVML_VALUE_NOT_AVAILABLE, GpuInventory, GpuProcess, NvmlApi
+from kvwatch.collect.gpu import NVML_VALUE_NOT_AVAILABLE, GpuInventory, GpuProcess, NvmlApi
 from tests.units.conftest import GIB, FakeGpu, FakeNvml
 
 FakeFactory = Callable[..., FakeNvml]

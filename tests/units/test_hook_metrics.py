@@ -9,10 +9,10 @@ from typing import cast
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvwatch.daemon.core import Daemon
-from kvwatch.daemon.hook_registry import COUNTER_NAMES
-from kvwatch.daemon.hook_server import HookServer
-from kvwatch.daemon.timeline import Timelines
 from kvwatch.exporters.agent import agent_metrics
+from kvwatch.hookserver.registry import COUNTER_NAMES
+from kvwatch.hookserver.server import HookServer
+from kvwatch.streams.timeline import Timelines
 
 
 def test_hook_events_are_a_counter_of_events_only_and_connections_a_gauge() -> None:

@@ -1,16 +1,16 @@
-"""The judge (kvwatch.states.judge) and the probe schedule it reads (kvwatch.probes), on
+"""The judge (kvwatch.streams.states.judge) and the probe schedule it reads (kvwatch.collect.probes), on
 hand-made samples: the arithmetic behind the reader guarantee of docs/collector.md."""
 
 from __future__ import annotations
 
-from kvwatch.probes import (
+from kvwatch.collect.probes import (
     TCP_RTO_MAX_NS,
     answer_after_ns,
     persist_elapsed_ns,
     probe_interval_ns,
 )
 from kvwatch.sockets import Endpoint, SocketSample
-from kvwatch.states import StatePolicy, StreamState, classify, judge
+from kvwatch.streams.states import StatePolicy, StreamState, classify, judge
 
 S = 1_000_000_000
 MS = 1_000_000

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwatch.config import PolicyConfig
-from kvwatch.policy import BUDGET_WINDOW_SECONDS, CancelBudget, Candidate, Owner, decide
-from kvwatch.states import StreamState
+from kvwatch.policy.rules import BUDGET_WINDOW_SECONDS, CancelBudget, Candidate, Owner, decide
+from kvwatch.streams.states import StreamState
 
 MIB = 1 << 20
 ENFORCE = PolicyConfig(mode="enforce")
@@ -63,7 +63,7 @@ def test_every_state_but_stalled_is_skipped(state: StreamState) -> None:
 
 
 def test_the_judges_word_is_final() -> None:
-    """How long is the judge's business (kvwatch.states.judge): the policy does not judge the
+    """How long is the judge's business (kvwatch.streams.states.judge): the policy does not judge the
     stall again, so a stall it calls stalled is one, however it was timed."""
     assert decide_once(stalled(stalled_seconds=0.5)) == ("act", "stalled")
 
@@ -293,7 +293,7 @@ def test_eligible_streams_get_exactly_what_the_budget_allows(
             assert decision.reason == "budget_exhausted"
 
 
-# Behind a proxy (kvwatch.daemon.relay): the chain's request, the relay's identity.
+# Behind a proxy (kvwatch.streams.relay): the chain's request, the relay's identity.
 NGINX = Owner("nginx", "/system.slice/nginx.service")
 
 

@@ -1,5 +1,5 @@
 """Fixtures for the verdict tests: network labs with a token server in each, readers, and
-agents (kvwatch.stack) watching the server port. Everything is torn down after each test."""
+agents (kvwatch.harness.stack) watching the server port. Everything is torn down after each test."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvwatch import stack as processes
-from kvwatch.client import get_json
+from kvwatch.harness import stack as processes
+from kvwatch.tools.client import get_json
 
 from .netlab import Link, NetLab
 from .readers import Reader

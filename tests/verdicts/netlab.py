@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from kvwatch.netns import network_namespace
+from kvwatch.collect.netns import network_namespace
 
 T = TypeVar("T")
 _labs = itertools.count(1)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvwatch.scenario import abort
+from kvwatch.harness.scenario import abort
 
 # What sets the client's receive buffer: a fixed SO_RCVBUF, or the kernel's default
 # (tcp_rmem[1]) with autotuning, either read slowly from the start or after a fast phase

@@ -1,0 +1,219 @@
+"""From a stalled socket to a decision, its evidence, the audit line and the action."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+from kvwatch.act.actions import Actions
+from kvwatch.config import PolicyConfig
+from kvwatch.hookserver.registry import EngineStream
+from kvwatch.policy.audit import AuditLog
+from kvwatch.policy.rules import CancelBudget, Candidate, Decision, Owner, decide
+from kvwatch.sockets import SocketSample
+from kvwatch.streams.join import Joiner, StreamView
+from kvwatch.streams.relay import Cancels, RelayLink
+from kvwatch.streams.stall_timers import episode_of
+from kvwatch.streams.states import StallJudgement
+from kvwatch.streams.timeline import Timelines, connection_id
+
+RECHECK_SECONDS = 1.0
+# Reasons that can change while the stall lasts: look again later instead of giving up.
+TRANSIENT_REASONS = {
+    "in_grace",
+    "budget_exhausted",
+    "unknown_kv",
+    "below_min_kv",
+    "no_action_possible",
+    "owner_unknown",
+}
+# Action results that changed nothing: the target was already gone, or the action failed.
+# They give their budget unit back.
+TOOK_EFFECT = {"cancelled", "reset"}
+EVENTS_KEPT = 2000
+
+
+def evidence_of(view: StreamView) -> dict[str, Any]:
+    """What the decision was based on, for the audit log and `explain`: the stream as the
+    `streams` contract spells it (the socket, the judge's required time and evidence, the
+    join, whether the KV size is an estimate), and whether the engine's egress buffer for it
+    is full (decoupled egress: the stream's own evidence of a stall)."""
+    evidence = view.to_json()
+    evidence["egress_buffer_full"] = view.engine.egress_buffer_full if view.engine else None
+    return evidence
+
+
+def candidate_of(view: StreamView, now_ns: int) -> Candidate:
+    sample, engine, process = view.sample, view.engine, view.process
+    return Candidate(
+        request_id=engine.request_id if engine is not None else None,
+        state=view.state,
+        stalled_seconds=view.judgement.stalled_seconds(now_ns),
+        owner_pid=view.owner_pid,
+        kv_bytes=view.kv_bytes,
+        age_seconds=(now_ns - view.opened_ns) / 1e9,
+        local_port=sample.local.port,
+        comm=process.comm if process is not None else sample.comm,
+        cgroup_path=process.cgroup_path if process is not None else "",
+        container_id=process.container_id if process is not None else "",
+        pod_uid=process.pod_uid if process is not None else "",
+        has_engine_hook=engine is not None,
+        relay=_relay_owner(view),
+        relay_status=view.relay.status if view.relay is not None else None,
+    )
+
+
+def _relay_owner(view: StreamView) -> Owner | None:
+    if view.relay is None:
+        return None
+    process = view.relay_process
+    if process is None:
+        return Owner(view.relay.relay_comm)
+    return Owner(process.comm, process.cgroup_path, process.container_id, process.pod_uid)
+
+
+class Decider:
+    """Decides on stalled sockets and carries the decisions out. Owned by the event loop.
+
+    Invariants: at most one "act"/"would_act" decision per stall episode (a socket and its
+    kernel bytes_acked, see `episode_of`); a decision is written to the audit log, the event
+    list and the decision counters when its verdict or reason differs from the last one for
+    that episode, so a long stall that stays denied is one line and one count, not one a
+    second; an action that took no effect (its target was gone, or it failed) gives its
+    budget unit back."""
+
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        behind: Callable[[SocketSample], tuple[EngineStream | None, RelayLink | None]],
+        joiner: Joiner,
+        actions: Actions,
+        audit: AuditLog,
+        timelines: Timelines,
+    ) -> None:
+        self.policy = policy
+        self.state_policy = policy.state_policy()
+        self.behind = behind
+        self.joiner = joiner
+        self.actions = actions
+        self.audit = audit
+        self.timelines = timelines
+        self.budget = CancelBudget(policy.max_cancels_per_minute)
+        self.decisions: Counter[tuple[str, str]] = Counter()
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
+        self._event_id = 0
+        self._decision_id = 0
+        self._run_id = f"{time.time_ns() // 1_000_000:x}"
+        self._last: dict[int, tuple[tuple[int, str, str], dict[str, Any], dict[str, Any]]] = {}
+        self._acted: dict[int, int] = {}
+        self.cancels = Cancels()
+
+    def add_event(self, kind: str, **fields: Any) -> None:
+        self._event_id += 1
+        self.events.append(
+            {"id": self._event_id, "ts_ns": time.monotonic_ns(), "kind": kind, **fields}
+        )
+
+    async def on_stalled(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
+        """StallWatch's handler: decide, log, act. Returns when to look again, or None."""
+        episode = episode_of(sample)
+        if self._acted.get(sample.key) == episode:
+            return None
+        now_ns = time.monotonic_ns()
+        engine, relay = self.behind(sample)
+        view = self.joiner.view(sample, engine, now_ns, self.state_policy, judgement, relay)
+        decision = decide(candidate_of(view, now_ns), self.policy, self.budget, now_ns / 1e9)
+        ref, evidence = self._logged(view, decision, episode)
+        if decision.acts:
+            self._acted[sample.key] = episode
+        if decision.verdict == "act":
+            await self._carry_out(view, decision, ref, evidence)
+        if decision.verdict == "skip" and decision.reason in TRANSIENT_REASONS:
+            return RECHECK_SECONDS
+        return None
+
+    def _logged(
+        self, view: StreamView, decision: Decision, episode: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Counts and logs the decision when it is news for this episode; returns the
+        reference that ties its outcome lines to it and the evidence it was logged with
+        (gathered once per logged decision)."""
+        sample, news = view.sample, (episode, decision.verdict, decision.reason)
+        last = self._last.get(sample.key)
+        if last is not None and last[0] == news:
+            return last[1], last[2]
+        self.decisions[decision.verdict, decision.reason] += 1
+        ref = self._reference(view)
+        entry = self.audit.record(decision, evidence_of(view), ref)
+        self._last[sample.key] = (news, ref, entry["evidence"])
+        self._note(
+            view,
+            view.now_ns,
+            "decision",
+            decision_id=ref["decision_id"],
+            verdict=decision.verdict,
+            reason=decision.reason,
+            actions=list(decision.actions),
+            evidence=entry["evidence"],
+        )
+        self.add_event(
+            "decision",
+            **ref,
+            verdict=decision.verdict,
+            reason=decision.reason,
+            actions=list(decision.actions),
+            evidence=entry["evidence"],
+        )
+        return ref, entry["evidence"]
+
+    def _note(self, view: StreamView, ts_ns: int, event: str, **fields: Any) -> None:
+        """Adds an entry to the socket's timeline and, for a socket behind a proxy, to the
+        timeline of the engine connection whose request it carries (so `explain` by request
+        id shows what was decided at the proxy)."""
+        sockets = [(view.sample.local, view.sample.remote)]
+        if view.relay is not None and view.engine is not None:
+            sockets.append((view.engine.local, view.engine.remote))
+        for local, remote in sockets:
+            self.timelines.of(connection_id(local, remote)).add(ts_ns, event, **fields)
+
+    def _reference(self, view: StreamView) -> dict[str, Any]:
+        self._decision_id += 1
+        engine = view.engine
+        return {
+            "decision_id": f"{self._run_id}-{self._decision_id}",
+            "request_id": engine.request_id if engine is not None else None,
+            "local": str(view.sample.local),
+            "remote": str(view.sample.remote),
+        }
+
+    async def _carry_out(
+        self,
+        view: StreamView,
+        decision: Decision,
+        ref: dict[str, Any],
+        evidence: dict[str, Any],
+    ) -> None:
+        took_effect = cancelled = False
+        for action in decision.actions:
+            if action == "cancel":
+                result = await self.actions.cancel(view, decision.reason, evidence)
+                cancelled = result["status"] == "cancelled"
+                if cancelled and view.engine is not None:
+                    self.cancels.add(view.engine, time.monotonic_ns())
+            else:
+                result = await self.actions.reset(view, decision.reason, follow=not cancelled)
+            took_effect = took_effect or result["status"] in TOOK_EFFECT
+            if "freed_bytes" in result:
+                result["estimated"] = evidence["kv_estimated"]
+            self.audit.record_outcome(ref, action, result)
+            event = "cancel_acknowledged" if action == "cancel" else "reset_done"
+            self._note(view, time.monotonic_ns(), event, decision_id=ref["decision_id"], **result)
+            self.add_event("outcome", **ref, action=action, **result)
+        if not took_effect:
+            self.budget.give_back()
+
+    def forget(self, key: int) -> None:
+        self._last.pop(key, None)
+        self._acted.pop(key, None)

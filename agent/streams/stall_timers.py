@@ -1,0 +1,113 @@
+"""Stall timers: each socket on its way to a stall gets one timer, armed for the moment the
+judge's verdict can next change, so a decision comes within milliseconds of it, not on a tick."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from kvwatch.sockets import SocketSample
+from kvwatch.streams.states import StallJudgement, StatePolicy, judge
+
+log = logging.getLogger(__name__)
+
+# The handler returns None when it is done with this stall episode, or a delay in seconds
+# after which the socket is to be looked at again (in its grace period, budget exhausted ...).
+StallHandler = Callable[[SocketSample, StallJudgement], Awaitable[float | None]]
+SampleReader = Callable[[int], Awaitable[SocketSample | None]]
+# A handler that raised is tried again this much later (and at every observation before).
+RETRY_AFTER_ERROR_SECONDS = 1.0
+
+
+def episode_of(sample: SocketSample) -> int:
+    """A stall episode lasts while nothing is acknowledged: the kernel's cumulative
+    bytes_acked names it, whichever view (BPF, sock_diag, carried over) the sample is."""
+    return sample.bytes_acked
+
+
+class StallWatch:
+    """Owned by the event loop. Invariants: at most one timer and at most one check in flight
+    per socket key; a stall episode reaches the handler until the handler says it is done
+    with it, and never after; a handler that raised has not finished its episode."""
+
+    def __init__(self, policy: StatePolicy, read: SampleReader, on_stalled: StallHandler) -> None:
+        self.policy = policy
+        self.read = read
+        self.on_stalled = on_stalled
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._done: dict[int, int] = {}
+        self._checking: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        return len(self._timers)
+
+    def observe(self, sample: SocketSample) -> None:
+        """A fresh look at a socket (an edge event or a scan): arm, move or drop its timer."""
+        now_ns = time.monotonic_ns()
+        judgement = judge(sample, now_ns, self.policy)
+        if not judgement.on_the_way:
+            self.forget(sample.key)
+            return
+        if self._done.get(sample.key) == episode_of(sample) or sample.key in self._checking:
+            return  # finished; or a check is running, and it re-arms the timer itself
+        self._arm(sample.key, judgement.recheck_ns or now_ns)
+
+    def forget(self, key: int) -> None:
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        self._done.pop(key, None)
+
+    def _arm(self, key: int, when_ns: int) -> None:
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timers[key] = loop.call_at(max(when_ns / 1e9, loop.time()), self._fire, key)
+
+    def _fire(self, key: int) -> None:
+        self._timers.pop(key, None)
+        if key in self._checking:
+            return
+        self._checking.add(key)
+        task = asyncio.get_running_loop().create_task(self._check(key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _check(self, key: int) -> None:
+        try:
+            sample = await self.read(key)
+            now_ns = time.monotonic_ns()
+            judgement = judge(sample, now_ns, self.policy) if sample is not None else None
+            if sample is None or judgement is None or not judgement.on_the_way:
+                self.forget(key)
+                return
+            if self._done.get(key) == episode_of(sample):
+                return
+            if not judgement.stalled:
+                self._arm(key, judgement.recheck_ns)
+                return
+            retry = await self._handle(sample, judgement)
+            if retry is None:
+                self._done[key] = episode_of(sample)
+            else:
+                self._arm(key, time.monotonic_ns() + int(retry * 1e9))
+        finally:
+            self._checking.discard(key)
+
+    async def _handle(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
+        try:
+            return await self.on_stalled(sample, judgement)
+        except Exception:
+            log.exception("stall handler failed for socket %x; trying again", sample.key)
+            return RETRY_AFTER_ERROR_SECONDS
+
+    def close(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        for task in self._tasks:
+            task.cancel()

@@ -51,8 +51,8 @@ from typing import Any
 
 from bench.common import RESULTS, write_result
 from bench.stack import engine_connection, stall_arrivals
-from kvwatch.harness import demo
 from kvwatch.errors import KvwatchError
+from kvwatch.harness import demo
 from kvwatch.harness.demo import PROMPT, scrape
 from kvwatch.harness.stack import Stack
 from kvwatch.loadgen import LoadPlan, LoadReport, run_load

@@ -4,6 +4,9 @@ where they cannot run they skip — unless KVWATCH_REQUIRE_BPF=1 (CI), where the
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,3 +37,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if os.environ.get(REQUIRE_BPF_ENV) == "1":
         pytest.fail(f"BPF test cannot run: {reason} ({REQUIRE_BPF_ENV}=1 forbids skipping)")
     pytest.skip(reason)
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[str]:
+    """A short private directory (AF_UNIX paths are limited to 108 bytes), world-searchable
+    so another uid can reach a socket in it."""
+    directory = tempfile.mkdtemp(prefix="kvwd-", dir="/tmp")
+    os.chmod(directory, 0o755)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def socket_path(socket_dir: str) -> str:
+    """A hook socket path of the test's own, never an agent's already on the machine."""
+    return f"{socket_dir}/engine.sock"

@@ -23,8 +23,8 @@ STALL_SECONDS = 2.0
 
 
 class Stack(processes.Stack):
-    """kvwatch.harness.stack.Stack with the tests' engine, a 2 s stall threshold and no grace period,
-    plus the test clients."""
+    """kvwatch.harness.stack.Stack with the tests' engine, a 2 s stall threshold and no grace
+    period, plus the test clients."""
 
     def start_engine(self, *args: str) -> processes.Service:
         return super().start_engine(*ENGINE_ARGS, *args)

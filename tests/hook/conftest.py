@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from kvwatch.hook import CancelHandler, CancelOutcome, EngineHook
 from tests.hook.hook_agent import ENGINE_INFO, AgentServer
-
-
-@pytest.fixture
-def socket_path() -> Iterator[str]:
-    """A short path (AF_UNIX paths are limited to 108 bytes) in a private directory."""
-    directory = tempfile.mkdtemp(prefix="kvw-", dir="/tmp")
-    yield f"{directory}/engine.sock"
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""A small real agent for the hook tests: a unix-socket server speaking kvwatch.hookwire.protocol."""
+"""A small real agent for the hook tests: a unix-socket server speaking
+kvwatch.hookwire.protocol."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from kvwatch.errors import BpfError
 from kvwatch.harness.scenario import Scenario, ScenarioClient
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.states import StatePolicy, StreamState, classify
-from tests.bpf.conftest import EventLog, differences, record_fields, wait_for
+from tests.collect.bpf.conftest import EventLog, differences, record_fields, wait_for
 from tests.kernel.guest_modes import endpoint_of, server_side
 
 pytestmark = pytest.mark.bpf

@@ -4,7 +4,7 @@ Runs inside each matrix VM and directly on the CI kernel (scripts/kernel_matrix)
 keeps it out of the default collection, so `make test` runs it through the matrix only. Each
 pair of modes the kernel offers is forced in turn (tests/kernel/plan.py); a pair the kernel
 refuses must be refused by kvwatch's loader too, and is reported unavailable with the reason.
-Timeouts are wider than tests/bpf's: under software emulation the guest runs ~30x slower.
+Timeouts are wider than tests/collect/bpf's: under software emulation the guest runs ~30x slower.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvwatch.errors import BpfError
 from kvwatch.harness.scenario import Scenario, ScenarioClient, abort
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.states import StatePolicy, StreamState, classify
-from tests.bpf.conftest import EventLog, wait_for
+from tests.collect.bpf.conftest import EventLog, wait_for
 from tests.kernel.conftest import libbpf_log
 from tests.kernel.plan import Combo, Offers, best_send_mode, best_tracepoint_mode
 

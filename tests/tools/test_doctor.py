@@ -21,9 +21,9 @@ from kvwatch.tools.doctor import (
     judge_sysctl,
     who_can_connect,
 )
+from tests.collect.conftest import GIB, FakeGpu, FakeNvml
 from tests.e2e.conftest import Stack
 from tests.tools.conftest import kvwatch
-from tests.units.conftest import GIB, FakeGpu, FakeNvml
 
 
 def checks_of(*args: str) -> tuple[int, dict[str, dict[str, str]]]:

@@ -1,9 +1,9 @@
 """Netlink sock_diag snapshots of TCP sockets (the `ss -tinm` view) through pyroute2.
 
-pyroute2 carries the requests and collects the multipart dump, leaving the replies undecoded;
-kvwatch.collect.diag.wire parses each one from its raw bytes. pyroute2's synchronous API runs its own
-asyncio loop, so everything here is blocking and refuses to run inside a running event loop:
-async callers use a worker thread (`await asyncio.to_thread(...)`).
+pyroute2 carries the requests and collects the multipart dump, leaving the replies
+undecoded; kvwatch.collect.diag.wire parses each one from its raw bytes. pyroute2's
+synchronous API runs its own asyncio loop, so everything here is blocking and refuses to run
+inside a running event loop: async callers use a worker thread (`await asyncio.to_thread(...)`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `FakeNvml` answers the functions of `kvwatch.collect.gpu.NvmlApi` from a list of `FakeGpu`s. A GPU's
 `failing` set names the functions that raise NVMLError for it, so tests can break one GPU and
-see the others survive. On a machine with a GPU, tests/units/test_gpu.py also reads the real one.
+see the others survive. On a machine with a GPU, tests/collect/test_gpu.py also reads the real one.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The judge (kvwatch.streams.states.judge) and the probe schedule it reads (kvwatch.collect.probes), on
-hand-made samples: the arithmetic behind the reader guarantee of docs/collector.md."""
+"""The judge (kvwatch.streams.states.judge) and the probe schedule it reads
+(kvwatch.collect.probes), on hand-made samples: the arithmetic behind the reader guarantee of
+docs/collector.md."""
 
 from __future__ import annotations
 

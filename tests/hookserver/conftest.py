@@ -1,4 +1,4 @@
-"""Helpers for the daemon tests: a socket directory, a running HookServer, engines to talk to it.
+"""Helpers for the hook server tests: a running HookServer and engines to talk to it.
 
 pytest-asyncio is not used: each test runs its scenario with `run_async` (asyncio.run).
 """
@@ -8,14 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import socket
-import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
-
-import pytest
 
 from kvwatch.hook import CancelHandler, CancelOutcome, EngineHook, EngineInfo
 from kvwatch.hookserver.registry import EngineStream
@@ -32,20 +28,6 @@ ENGINE_INFO = EngineInfo(
     device="cpu",
     kv_blocks_total=128,
 )
-
-
-@pytest.fixture
-def socket_dir() -> Iterator[str]:
-    """A short private directory, world-searchable so another uid can reach the socket."""
-    directory = tempfile.mkdtemp(prefix="kvwd-", dir="/tmp")
-    os.chmod(directory, 0o755)
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.fixture
-def socket_path(socket_dir: str) -> str:
-    return f"{socket_dir}/engine.sock"
 
 
 def run_async(scenario: Coroutine[Any, Any, None], timeout_seconds: float = 20.0) -> None:

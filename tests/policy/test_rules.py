@@ -63,8 +63,8 @@ def test_every_state_but_stalled_is_skipped(state: StreamState) -> None:
 
 
 def test_the_judges_word_is_final() -> None:
-    """How long is the judge's business (kvwatch.streams.states.judge): the policy does not judge the
-    stall again, so a stall it calls stalled is one, however it was timed."""
+    """How long is the judge's business (kvwatch.streams.states.judge): the policy does not judge
+    the stall again, so a stall it calls stalled is one, however it was timed."""
     assert decide_once(stalled(stalled_seconds=0.5)) == ("act", "stalled")
 
 

@@ -21,7 +21,7 @@ from kvwatch.errors import BpfError
 from kvwatch.harness.scenario import Scenario
 from kvwatch.streams.states import StatePolicy
 from kvwatch.streams.view import socket_json
-from tests.bpf.conftest import (
+from tests.collect.bpf.conftest import (
     EventLog,
     differences,
     in_zero_window,

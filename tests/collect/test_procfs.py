@@ -1,4 +1,5 @@
-"""kvwatch.collect.procfs: parsers on fixture texts, readers on a fixture tree and on the real /proc."""
+"""kvwatch.collect.procfs: parsers on fixture texts, readers on a fixture tree and on the real
+/proc."""
 
 from __future__ import annotations
 

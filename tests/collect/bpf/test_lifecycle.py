@@ -12,7 +12,13 @@ import pytest
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.collect.diag.snapshot import take_snapshot
 from kvwatch.harness.scenario import Scenario
-from tests.bpf.conftest import EventLog, in_zero_window, server_side, wait_for, wait_for_server_side
+from tests.collect.bpf.conftest import (
+    EventLog,
+    in_zero_window,
+    server_side,
+    wait_for,
+    wait_for_server_side,
+)
 
 pytestmark = pytest.mark.bpf
 

@@ -17,7 +17,7 @@ import pytest
 
 from kvwatch.harness.stack import Stack
 from kvwatch.hook import CancelOutcome, EngineHook
-from tests.daemon.conftest import ENGINE_INFO
+from tests.hookserver.conftest import ENGINE_INFO
 
 NOBODY_UID = 65534
 FLOOD_CONNECTIONS = 1100

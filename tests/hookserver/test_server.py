@@ -27,7 +27,7 @@ from kvwatch.hookwire.protocol import (
     encode,
 )
 from kvwatch.sockets import Endpoint
-from tests.daemon.conftest import (
+from tests.hookserver.conftest import (
     BYTES_PER_BLOCK,
     ENGINE_INFO,
     RawEngine,

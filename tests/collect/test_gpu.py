@@ -1,4 +1,4 @@
-"""GpuInventory over the fake NVML (tests/units/conftest.py), and over the real one."""
+"""GpuInventory over the fake NVML (tests/collect/conftest.py), and over the real one."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pynvml
 
 from kvwatch.collect.gpu import NVML_VALUE_NOT_AVAILABLE, GpuInventory, GpuProcess, NvmlApi
-from tests.units.conftest import GIB, FakeGpu, FakeNvml
+from tests.collect.conftest import GIB, FakeGpu, FakeNvml
 
 FakeFactory = Callable[..., FakeNvml]
 

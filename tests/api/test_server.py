@@ -18,7 +18,7 @@ from kvwatch.api.routes import JSONResponse
 from kvwatch.api.server import ApiServer
 from kvwatch.daemon.logrepeat import RepeatFilter
 from kvwatch.daemon.preflight import bind_listen_address
-from tests.daemon.conftest import run_async, wait_until
+from tests.hookserver.conftest import run_async, wait_until
 
 
 async def _hello(_: Request) -> JSONResponse:

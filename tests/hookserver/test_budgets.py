@@ -17,7 +17,7 @@ from kvwatch.accept import AcceptLoop
 from kvwatch.hookserver.registry import EngineStream, HookCounters, StreamRegistry
 from kvwatch.hookwire.protocol import ErrorMessage, Hello, Welcome
 from kvwatch.sockets import Endpoint
-from tests.daemon.conftest import RawEngine, engine_hook, run_async, running_server, wait_until
+from tests.hookserver.conftest import RawEngine, engine_hook, run_async, running_server, wait_until
 
 HELLO = Hello(
     engine="raw", model="tiny", pid=os.getpid(), bytes_per_block=1, device="cpu", kv_blocks_total=1

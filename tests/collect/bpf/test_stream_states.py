@@ -13,7 +13,13 @@ from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.harness.scenario import Scenario
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.states import StatePolicy, StreamState, classify
-from tests.bpf.conftest import EventLog, in_zero_window, server_side, wait_for, wait_for_server_side
+from tests.collect.bpf.conftest import (
+    EventLog,
+    in_zero_window,
+    server_side,
+    wait_for,
+    wait_for_server_side,
+)
 
 pytestmark = pytest.mark.bpf
 POLICY = StatePolicy(stall_seconds=3.0)

@@ -23,8 +23,7 @@ from kvwatch.streams.relay import RelayIndex
 from kvwatch.streams.stall_timers import StallWatch
 from kvwatch.streams.states import StallJudgement, judge
 from kvwatch.streams.timeline import Timelines
-
-from .conftest import run_async, wait_until
+from tests.hookserver.conftest import run_async, wait_until
 
 POLICY = PolicyConfig(mode="enforce", actions=("reset",), grace_seconds=0, max_cancels_per_minute=1)
 S = 1_000_000_000

@@ -18,7 +18,7 @@ from kvwatch.daemon.core import Daemon
 from kvwatch.hook import CancelOutcome, EngineHook
 from kvwatch.streams import timeline
 from kvwatch.streams.timeline import Timelines
-from tests.daemon.conftest import ENGINE_INFO, run_async, wait_until
+from tests.hookserver.conftest import ENGINE_INFO, run_async, wait_until
 
 
 def test_announced_connections_never_seen_by_the_collector_are_closed_as_gone() -> None:

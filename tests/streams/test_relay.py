@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.sockets import Endpoint, Feeder, SocketSample
 from kvwatch.streams.relay import MIN_FEEDS, RelayIndex
-from tests.units.test_judge import zero_window as stalled_sample
+from tests.streams.test_states import zero_window as stalled_sample
 
 ENGINE = Endpoint("10.0.0.4", 8000)
 UPSTREAM = Endpoint("10.0.0.4", 41000)  # the proxy's end of its upstream connection

@@ -31,7 +31,7 @@ from kvwatch.policy.decide import Decider
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.join import Joiner, StreamView
 from kvwatch.streams.relay import RelayIndex, RelayLink
-from kvwatch.streams.stall_timers import StallWatch
+from kvwatch.streams.stall_timers import StallTimers
 from kvwatch.streams.states import StallJudgement, stall_since_ns
 from kvwatch.streams.timeline import Timelines, connection_id
 
@@ -74,7 +74,7 @@ class Daemon:
         self.decider = Decider(
             config.policy, self.behind, self.joiner, self.actions, self.audit, self.timelines
         )
-        self.watch = StallWatch(self.state_policy, self._read_sample, self._on_stalled)
+        self.stall_timers = StallTimers(self.state_policy, self._read_sample, self._on_stalled)
         self.zero_window_seconds = Histogram(
             "kvwatch_stream_zero_window_duration_seconds",
             "Length of zero-window episodes of tracked sockets, in seconds.",
@@ -135,7 +135,7 @@ class Daemon:
         self._stop.set()
 
     async def close(self) -> None:
-        self.watch.close()
+        self.stall_timers.close()
         if self._ring is not None:
             asyncio.get_running_loop().remove_reader(self._ring.fileno())
             self._ring.close()
@@ -167,7 +167,7 @@ class Daemon:
         previous, self._samples = self._samples, {sample.key: sample for sample in samples}
         if self.bpf is None:  # sock_diag polling has no close events: a vanished socket closed
             for key in previous.keys() - self._samples.keys():
-                self.watch.forget(key)
+                self.stall_timers.forget(key)
                 self.decider.forget(key)
         self._samples_ns = time.monotonic_ns()
         self.timelines.sweep({connection_id(s.local, s.remote) for s in samples}, self._samples_ns)
@@ -259,7 +259,7 @@ class Daemon:
         if event.kind == "close":
             self._samples.pop(key, None)
             self._zero_window_started.pop(key, None)
-            self.watch.forget(key)
+            self.stall_timers.forget(key)
             self.decider.forget(key)
             self._end_stall(key, event.ts_ns)
             self.timelines.close(
@@ -289,7 +289,7 @@ class Daemon:
     def _observe(self, sample: SocketSample, now_ns: int) -> None:
         if self._stalled_since.get(sample.key, 0) not in (0, stall_since_ns(sample)):
             self._end_stall(sample.key, now_ns)
-        self.watch.observe(sample)
+        self.stall_timers.observe(sample)
 
     async def _on_stalled(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
         since = judgement.since_ns

@@ -117,7 +117,7 @@ class Decider:
         )
 
     async def on_stalled(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
-        """StallWatch's handler: decide, log, act. Returns when to look again, or None."""
+        """The stall timers' handler: decide, log, act. Returns when to look again, or None."""
         episode = episode_of(sample)
         if self._acted.get(sample.key) == episode:
             return None

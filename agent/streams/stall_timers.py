@@ -27,7 +27,7 @@ def episode_of(sample: SocketSample) -> int:
     return sample.bytes_acked
 
 
-class StallWatch:
+class StallTimers:
     """Owned by the event loop. Invariants: at most one timer and at most one check in flight
     per socket key; a stall episode reaches the handler until the handler says it is done
     with it, and never after; a handler that raised has not finished its episode."""

@@ -20,7 +20,7 @@ from kvwatch.policy.decide import Decider
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import RelayIndex
-from kvwatch.streams.stall_timers import StallWatch
+from kvwatch.streams.stall_timers import StallTimers
 from kvwatch.streams.states import StallJudgement, judge
 from kvwatch.streams.timeline import Timelines
 from tests.hookserver.conftest import run_async, wait_until
@@ -122,7 +122,7 @@ def test_a_handler_that_raised_is_tried_again() -> None:
         return None
 
     async def scenario() -> None:
-        watch = StallWatch(POLICY.state_policy(), read, handler)
+        watch = StallTimers(POLICY.state_policy(), read, handler)
         watch.observe(sample)
         await wait_until(lambda: len(calls) == 2, timeout_seconds=5)
         watch.observe(sample)  # the episode is done: no third call

@@ -6,16 +6,16 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvwatch.daemon.core import Daemon
+from kvwatch.api.state import AgentState
 
 
-def action_metrics(daemon: Daemon) -> Iterator[Metric]:
+def action_metrics(state: AgentState) -> Iterator[Metric]:
     decisions = CounterMetricFamily(
         "kvwatch_policy_decisions",
         "Policy decisions on stalled streams, by verdict and reason.",
         labels=["verdict", "reason"],
     )
-    for (verdict, reason), count in sorted(daemon.decider.decisions.items()):
+    for (verdict, reason), count in sorted(state.decisions.items()):
         decisions.add_metric([verdict, reason], count)
     yield decisions
     actions = CounterMetricFamily(
@@ -23,7 +23,7 @@ def action_metrics(daemon: Daemon) -> Iterator[Metric]:
         "Cancels and resets carried out, by reason and result.",
         labels=["action", "reason", "result"],
     )
-    tally = daemon.actions.tally
+    tally = state.tally
     for (action, reason, result), count in sorted(tally.outcomes.items()):
         actions.add_metric([action, reason, result], count)
     yield actions
@@ -35,5 +35,5 @@ def action_metrics(daemon: Daemon) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "kvwatch_policy_enforcing",
         "1 in enforce mode, 0 in observe mode (decisions only logged).",
-        value=1.0 if daemon.config.policy.enforce else 0.0,
+        value=1.0 if state.mode == "enforce" else 0.0,
     )

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvwatch.daemon.core import Daemon
+from kvwatch.api.state import AgentState
 
 _process = psutil.Process()
 
 
-def agent_metrics(daemon: Daemon) -> Iterator[Metric]:
+def agent_metrics(state: AgentState) -> Iterator[Metric]:
     cpu = _process.cpu_times()
     yield CounterMetricFamily(
         "kvwatch_agent_cpu_seconds",
@@ -27,26 +27,26 @@ def agent_metrics(daemon: Daemon) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "kvwatch_hook_engines_connected",
         "Engines connected over the hook socket.",
-        value=len(daemon.hooks.engines()),
+        value=len(state.hooks.engines()),
     )
     yield GaugeMetricFamily(
         "kvwatch_hook_connections",
         "Connections open on the hook socket, engines that said hello or not.",
-        value=daemon.hooks.connection_count(),
+        value=state.hooks.connection_count(),
     )
     timelines = GaugeMetricFamily(
         "kvwatch_agent_timelines",
         "Stream timelines the agent keeps for explain, live and finished.",
         labels=["state"],
     )
-    timelines.add_metric(["live"], daemon.timelines.live_count())
-    timelines.add_metric(["finished"], daemon.timelines.finished_count())
+    timelines.add_metric(["live"], state.timelines.live_count())
+    timelines.add_metric(["finished"], state.timelines.finished_count())
     yield timelines
     messages = CounterMetricFamily(
         "kvwatch_hook_events",
         "Engine-hook protocol events by kind (messages, drops, refusals, cancels).",
         labels=["event"],
     )
-    for name, count in sorted(daemon.hooks.counters().items()):
+    for name, count in sorted(state.hooks.counters().items()):
         messages.add_metric([name], count)
     yield messages

@@ -6,17 +6,17 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
+from kvwatch.api.state import AgentState
 from kvwatch.collect.bpf.runstats import program_run_stats
 from kvwatch.collect.table import needed_sockets
-from kvwatch.daemon.core import Daemon
 
 
-def bpf_metrics(daemon: Daemon) -> Iterator[Metric]:
-    backend = daemon.opened.backend if daemon.opened is not None else "none"
+def bpf_metrics(state: AgentState) -> Iterator[Metric]:
+    backend = state.opened.backend if state.opened is not None else "none"
     info = InfoMetricFamily("kvwatch_collector", "The socket collector in use.")
     info.add_metric([], {"backend": backend})
     yield info
-    bpf = daemon.bpf
+    bpf = state.bpf
     if bpf is None:
         return
     attach = GaugeMetricFamily(
@@ -27,7 +27,7 @@ def bpf_metrics(daemon: Daemon) -> Iterator[Metric]:
     for hook, mode in bpf.report.hooks.items():
         attach.add_metric([hook, mode], 1.0)
     yield attach
-    stats = bpf.stats(tracked=len(daemon.samples()))
+    stats = bpf.stats(tracked=len(state.samples()))
     for name, help_text in (
         ("events_sent", "Edge events sent over the ring buffer."),
         ("events_dropped", "Edge events lost: the ring buffer was full."),
@@ -40,7 +40,7 @@ def bpf_metrics(daemon: Daemon) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "kvwatch_bpf_sockets_tracked", "Sockets with a kernel record.", value=stats["tracked"]
     )
-    table = daemon.table
+    table = state.table
     if table is not None:
         yield GaugeMetricFamily(
             "kvwatch_bpf_socket_table_full",

@@ -8,13 +8,13 @@ from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvwatch.daemon.core import Daemon
+from kvwatch.api.state import AgentState
 
 DCGM_LABELS = ["gpu", "UUID", "modelName", "Hostname"]
 
 
-def gpu_metrics(daemon: Daemon) -> Iterator[Metric]:
-    gpus = daemon.gpus
+def gpu_metrics(state: AgentState) -> Iterator[Metric]:
+    gpus = state.gpus
     yield GaugeMetricFamily(
         "kvwatch_gpu_nvml_available",
         "1 when NVML answers, else 0.",

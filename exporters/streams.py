@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvwatch.daemon.core import Daemon
+from kvwatch.api.state import AgentState
+from kvwatch.exporters.durations import EpisodeDurations
 from kvwatch.streams.join import StreamView
 from kvwatch.streams.states import StreamState
 
@@ -37,8 +38,8 @@ def by_request(views: list[StreamView]) -> list[StreamView]:
     return list(chosen.values())
 
 
-def stream_metrics(daemon: Daemon) -> Iterator[Metric]:
-    views = daemon.stream_views()
+def stream_metrics(state: AgentState, durations: EpisodeDurations) -> Iterator[Metric]:
+    views = state.stream_views()
     counts: Counter[StreamState] = Counter(view.state for view in views)
     kv_bytes: Counter[StreamState] = Counter()
     estimated: Counter[StreamState] = Counter()
@@ -61,10 +62,11 @@ def stream_metrics(daemon: Daemon) -> Iterator[Metric]:
         "model's geometry and tokens) rather than read from a block table, in bytes.",
         labels=["state"],
     )
-    for state in StreamState:
-        streams.add_metric([state.value], counts[state])
-        held.add_metric([state.value], kv_bytes[state])
-        held_estimated.add_metric([state.value], estimated[state])
+    for stream_state in StreamState:
+        label = [stream_state.value]
+        streams.add_metric(label, counts[stream_state])
+        held.add_metric(label, kv_bytes[stream_state])
+        held_estimated.add_metric(label, estimated[stream_state])
     yield streams
     yield held
     yield held_estimated
@@ -76,7 +78,6 @@ def stream_metrics(daemon: Daemon) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "kvwatch_streams_engine_announced",
         "Streams engines announced over the hook and still open.",
-        value=len(daemon.hooks.streams()),
+        value=len(state.hooks.streams()),
     )
-    yield from daemon.zero_window_seconds.collect()
-    yield from daemon.stall_seconds.collect()
+    yield from durations.collect()

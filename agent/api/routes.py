@@ -8,16 +8,15 @@ import json
 import time
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse as StarletteJSONResponse
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvwatch.api.state import AgentState
 from kvwatch.collect.table import TableStatus, needed_sockets
-from kvwatch.daemon.core import Daemon
-from kvwatch.exporters import agent_registry
 from kvwatch.sockets import Endpoint
 from kvwatch.streams.timeline import connection_id
 from kvwatch.streams.view import socket_json
@@ -32,53 +31,53 @@ class JSONResponse(StarletteJSONResponse):
         return text.encode("utf-8", "replace")
 
 
-def build_app(daemon: Daemon) -> Starlette:
-    registry = agent_registry(daemon)
+def build_app(state: AgentState, registry: CollectorRegistry) -> Starlette:
+    """The routes over `state`; /metrics serves `registry`, which the daemon built."""
 
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def sockets(_: Request) -> JSONResponse:
         now_ns = time.monotonic_ns()
-        policy = daemon.state_policy
-        return JSONResponse([socket_json(s, now_ns, policy) for s in daemon.samples()])
+        policy = state.state_policy
+        return JSONResponse([socket_json(s, now_ns, policy) for s in state.samples()])
 
     async def streams(_: Request) -> JSONResponse:
-        return JSONResponse([view.to_json() for view in daemon.stream_views()])
+        return JSONResponse([view.to_json() for view in state.stream_views()])
 
     async def events(request: Request) -> JSONResponse:
         try:
             since = int(request.query_params.get("since", "0"))
         except ValueError:
             return JSONResponse({"error": "since must be an integer event id"}, status_code=400)
-        return JSONResponse([e for e in daemon.decider.events if e["id"] > since])
+        return JSONResponse(state.events_after(since))
 
     async def explain(request: Request) -> JSONResponse:
         key = request.path_params["request_id"]
         endpoint = _endpoint_or_none(key)
         if endpoint is not None:
-            timeline = daemon.timelines.find_endpoint(endpoint)
+            timeline = state.timelines.find_endpoint(endpoint)
             what = f"connection with endpoint {endpoint}"
         else:
-            timeline = daemon.timelines.find(key)
+            timeline = state.timelines.find(key)
             what = f"stream with request id {key!r}"
         if timeline is None:
             return JSONResponse(
                 {
                     "error": f"no {what} is live or in the history of the last "
-                    f"{daemon.timelines.history_size} streams"
+                    f"{state.timelines.history_size} streams"
                 },
                 status_code=404,
             )
         body = timeline.to_json()
         body["live"] = not timeline.closed and any(
-            connection_id(s.local, s.remote) == timeline.connection for s in daemon.samples()
+            connection_id(s.local, s.remote) == timeline.connection for s in state.samples()
         )
         if body["live"]:
             view = next(
                 (
                     v
-                    for v in daemon.stream_views()
+                    for v in state.stream_views()
                     if connection_id(v.sample.local, v.sample.remote) == timeline.connection
                 ),
                 None,
@@ -87,19 +86,19 @@ def build_app(daemon: Daemon) -> Starlette:
         return JSONResponse(body)
 
     async def health(_: Request) -> JSONResponse:
-        opened = daemon.opened
-        bpf = daemon.bpf
+        opened = state.opened
+        bpf = state.bpf
         return JSONResponse(
             {
                 "status": "ok",
-                "mode": daemon.config.policy.mode,
+                "mode": state.mode,
                 "backend": opened.backend if opened else None,
                 "collector": opened.note if opened else None,
                 "hooks": bpf.report.hooks if bpf is not None else {},
-                "engines": daemon.hooks.engines(),
-                "uptime_seconds": round((time.monotonic_ns() - daemon.started_ns) / 1e9, 1),
-                "gpu": daemon.gpus.available,
-                "socket_table": table_json(daemon.table),
+                "engines": state.hooks.engines(),
+                "uptime_seconds": round((time.monotonic_ns() - state.started_ns) / 1e9, 1),
+                "gpu": state.gpus.available,
+                "socket_table": table_json(state.table),
             }
         )
 

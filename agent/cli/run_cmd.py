@@ -37,7 +37,7 @@ async def serve(daemon: Daemon, listener: socket.socket) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, daemon.stop)
-    server = ApiServer(build_app(daemon), listener)
+    server = ApiServer(build_app(daemon, daemon.registry), listener)
     try:
         await daemon.start()
         await server.start()

@@ -7,10 +7,10 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import Mapping
+from typing import Any
 
-from prometheus_client import Histogram
-
-from kvwatch.act.actions import Actions
+from kvwatch.act.actions import Actions, ActionTally
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.collect.bpf.loader import CollectorSettings
 from kvwatch.collect.bpf.maps import EventRing
@@ -24,6 +24,8 @@ from kvwatch.collect.table import (
     open_collector,
 )
 from kvwatch.config import AgentConfig
+from kvwatch.exporters import agent_registry
+from kvwatch.exporters.durations import EpisodeDurations
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.hookserver.server import HookServer
 from kvwatch.policy.audit import AuditLog
@@ -40,7 +42,6 @@ log = logging.getLogger(__name__)
 BPF_SCAN_SECONDS = 1.0
 DIAG_SCAN_SECONDS = 0.5
 TABLE_WARNING_NS = 300 * 1_000_000_000
-DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 120, 300, 600)
 
 
 def collector_settings(config: AgentConfig) -> CollectorSettings:
@@ -75,18 +76,8 @@ class Daemon:
             config.policy, self.behind, self.joiner, self.actions, self.audit, self.timelines
         )
         self.stall_timers = StallTimers(self.state_policy, self._read_sample, self._on_stalled)
-        self.zero_window_seconds = Histogram(
-            "kvwatch_stream_zero_window_duration_seconds",
-            "Length of zero-window episodes of tracked sockets, in seconds.",
-            buckets=DURATION_BUCKETS,
-            registry=None,
-        )
-        self.stall_seconds = Histogram(
-            "kvwatch_stream_stall_duration_seconds",
-            "Length of stalls (from the start of the stall conditions to their end), in seconds.",
-            buckets=DURATION_BUCKETS,
-            registry=None,
-        )
+        self.durations = EpisodeDurations()
+        self.registry = agent_registry(self, self.durations)
         self.opened: OpenedCollector | None = None
         self.started_ns = time.monotonic_ns()
         self._collect = concurrent.futures.ThreadPoolExecutor(
@@ -215,6 +206,23 @@ class Daemon:
     def samples(self) -> list[SocketSample]:
         return list(self._samples.values())
 
+    # -- what readers see (kvwatch.api.state.AgentState) -----------------------------------
+
+    @property
+    def mode(self) -> str:
+        return self.config.policy.mode
+
+    @property
+    def decisions(self) -> Mapping[tuple[str, str], int]:
+        return self.decider.decisions
+
+    @property
+    def tally(self) -> ActionTally:
+        return self.actions.tally
+
+    def events_after(self, since: int) -> list[dict[str, Any]]:
+        return [event for event in self.decider.events if event["id"] > since]
+
     def behind(
         self, sample: SocketSample, index: RelayIndex | None = None
     ) -> tuple[EngineStream | None, RelayLink | None]:
@@ -255,7 +263,7 @@ class Daemon:
         elif event.kind == "zero_window_end":
             started = self._zero_window_started.pop(key, None)
             if started is not None:
-                self.zero_window_seconds.observe((event.ts_ns - started) / 1e9)
+                self.durations.zero_window_ended((event.ts_ns - started) / 1e9)
         if event.kind == "close":
             self._samples.pop(key, None)
             self._zero_window_started.pop(key, None)
@@ -309,7 +317,7 @@ class Daemon:
     def _end_stall(self, key: int, now_ns: int) -> None:
         since = self._stalled_since.pop(key, None)
         if since:
-            self.stall_seconds.observe(max(0.0, (now_ns - since) / 1e9))
+            self.durations.stall_ended(max(0.0, (now_ns - since) / 1e9))
 
     def _on_stream_change(self, request_id: str, stream: EngineStream | None) -> None:
         if stream is not None:

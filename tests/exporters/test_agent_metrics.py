@@ -8,7 +8,7 @@ from typing import cast
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvwatch.daemon.core import Daemon
+from kvwatch.api.state import AgentState
 from kvwatch.exporters.agent import agent_metrics
 from kvwatch.hookserver.registry import COUNTER_NAMES
 from kvwatch.hookserver.server import HookServer
@@ -16,11 +16,11 @@ from kvwatch.streams.timeline import Timelines
 
 
 def test_hook_events_are_a_counter_of_events_only_and_connections_a_gauge() -> None:
-    daemon = cast(
-        Daemon,
+    state = cast(
+        AgentState,
         SimpleNamespace(hooks=HookServer("/nonexistent/engine.sock"), timelines=Timelines(10)),
     )
-    families = {family.name: family for family in agent_metrics(daemon)}
+    families = {family.name: family for family in agent_metrics(state)}
     events = families["kvwatch_hook_events"]
     assert isinstance(events, CounterMetricFamily)
     assert sorted(

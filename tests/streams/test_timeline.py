@@ -86,7 +86,7 @@ def test_diag_mode_explain_is_live_only_while_the_socket_exists(
     )
 
     async def explain(daemon: Daemon) -> dict[str, object]:
-        transport = httpx.ASGITransport(app=build_app(daemon))
+        transport = httpx.ASGITransport(app=build_app(daemon, daemon.registry))
         async with httpx.AsyncClient(transport=transport, base_url="http://agent") as client:
             answer = await client.get("/api/v1/explain/cmpl-diag")
         assert answer.status_code == 200

@@ -4,12 +4,12 @@ Never imports torch. See docs/protocol.md for the wire protocol and `EngineHook`
 """
 
 from kvwatch.hook.engine_hook import EngineHook
+from kvwatch.hookwire.protocol import EngineInfo
 from kvwatch.hookwire.types import (
     DEFAULT_SOCKET_PATH,
     SOCKET_PATH_ENV,
     CancelHandler,
     CancelOutcome,
-    EngineInfo,
 )
 
 __all__ = [

@@ -29,7 +29,8 @@ from kvwatch.hook.asgi_egress import EgressBudget
 from kvwatch.hook.asgi_kv import KvGeometry, detect
 from kvwatch.hook.asgi_stream import Message, Receive, RequestStream, Scope, Send, header
 from kvwatch.hook.engine_hook import EngineHook
-from kvwatch.hookwire.types import CancelOutcome, EngineInfo
+from kvwatch.hookwire.protocol import EngineInfo
+from kvwatch.hookwire.types import CancelOutcome
 
 BYTES_PER_TOKEN_ENV = "KVWATCH_KV_BYTES_PER_TOKEN"
 EGRESS_BUFFER_ENV = "KVWATCH_EGRESS_BUFFER_BYTES"

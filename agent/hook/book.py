@@ -8,9 +8,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvwatch.errors import ConfigError, ProtocolError
-from kvwatch.hookwire.protocol import Close, Hello, Message, Open, Update
-from kvwatch.hookwire.types import EngineInfo
+from kvwatch.hookwire.counters import EventCounters
+from kvwatch.hookwire.protocol import Close, EngineInfo, Message, Open, Update
 from kvwatch.sockets import Endpoint
 
 COUNTER_NAMES = (
@@ -34,22 +33,6 @@ COUNTER_NAMES = (
     "agent_errors_received",
     "internal_errors",
 )
-
-
-class Counters:
-    """Monotonic event counts (COUNTER_NAMES); any thread may add, a lock keeps them exact."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(COUNTER_NAMES, 0)
-
-    def add(self, name: str, amount: int = 1) -> None:
-        with self._lock:
-            self._values[name] += amount
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._values)
 
 
 @dataclass
@@ -84,22 +67,9 @@ class StreamBook:
     """
 
     def __init__(
-        self, info: EngineInfo, queue_size: int, counters: Counters, wake: Callable[[], None]
+        self, info: EngineInfo, queue_size: int, counters: EventCounters, wake: Callable[[], None]
     ) -> None:
-        self._info = info
-        try:
-            self._hello = Hello(
-                engine=info.engine,
-                model=info.model,
-                pid=info.pid,
-                bytes_per_block=info.bytes_per_block,
-                device=info.device,
-                kv_blocks_total=info.kv_blocks_total,
-            )
-        except ProtocolError as exc:
-            raise ConfigError(
-                f"invalid EngineInfo: {exc.message}", "pass strings and non-negative integers"
-            ) from exc
+        self._hello = info
         self._queue_size = queue_size
         self._counters = counters
         self._wake = wake
@@ -158,7 +128,7 @@ class StreamBook:
             return True
 
     def start_session(self) -> list[Message]:
-        """Hello and one open per live stream; replaces whatever was queued, atomically."""
+        """EngineInfo and one open per live stream; replaces whatever was queued, atomically."""
         with self._lock:
             self._queue.clear()
             self._update_queued.clear()
@@ -219,10 +189,10 @@ class StreamBook:
             request_id=request_id,
             local=stream.local,
             remote=stream.remote,
-            pid=self._info.pid,
+            pid=self._hello.pid,
             kv_blocks=stream.kv_blocks,
-            bytes_per_block=self._info.bytes_per_block,
-            device=self._info.device,
+            bytes_per_block=self._hello.bytes_per_block,
+            device=self._hello.device,
             tokens_out=stream.tokens_out,
             kv_estimated=stream.kv_estimated,
             age_ms=int((time.monotonic() - stream.opened_at) * 1000),

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvwatch.errors import ProtocolError
-from kvwatch.hook.book import Counters
+from kvwatch.hookwire.counters import EventCounters
 from kvwatch.hookwire.protocol import Cancel, Cancelled
 from kvwatch.hookwire.types import CancelHandler, CancelOutcome
 
@@ -41,7 +41,7 @@ class CancelRunner:
         self,
         handler: CancelHandler,
         timeout_seconds: float,
-        counters: Counters,
+        counters: EventCounters,
         wake: Callable[[], None],
     ) -> None:
         self._handler = handler

@@ -9,10 +9,12 @@ import threading
 import time
 
 from kvwatch.errors import ConfigError, ProtocolError
-from kvwatch.hook.book import Counters, StreamBook
+from kvwatch.hook.book import COUNTER_NAMES, StreamBook
 from kvwatch.hook.cancels import CancelRunner
 from kvwatch.hook.session import Session, Waker
-from kvwatch.hookwire.types import CancelHandler, EngineInfo, resolve_socket_path
+from kvwatch.hookwire.counters import EventCounters
+from kvwatch.hookwire.protocol import EngineInfo
+from kvwatch.hookwire.types import CancelHandler, resolve_socket_path
 from kvwatch.sockets import Endpoint
 
 CONNECT_TIMEOUT_SECONDS = 0.5
@@ -56,7 +58,7 @@ class EngineHook:
         self.socket_path = resolve_socket_path(socket_path)
         self._reconnect_seconds = reconnect_seconds
         self._send_timeout_seconds = send_timeout_seconds
-        self._counters = Counters()
+        self._counters = EventCounters(COUNTER_NAMES)
         self._book = StreamBook(info, queue_size, self._counters, self._wake)  # checks info
         self._cancels = CancelRunner(
             cancel_handler, cancel_timeout_seconds, self._counters, self._wake

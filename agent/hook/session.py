@@ -12,8 +12,9 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvwatch.errors import ProtocolError
-from kvwatch.hook.book import Counters, StreamBook
+from kvwatch.hook.book import StreamBook
 from kvwatch.hook.cancels import CancelRunner
+from kvwatch.hookwire.counters import EventCounters
 from kvwatch.hookwire.protocol import (
     Cancel,
     Cancelled,
@@ -76,7 +77,7 @@ class Session:
         book: StreamBook,
         *,
         cancels: CancelRunner,
-        counters: Counters,
+        counters: EventCounters,
         waker: Waker,
         stop: threading.Event,
         send_timeout_seconds: float,

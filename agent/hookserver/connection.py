@@ -12,16 +12,16 @@ from dataclasses import dataclass
 from kvwatch.errors import ProtocolError
 from kvwatch.hookserver.registry import (
     EngineStream,
-    HookCounters,
     StreamRegistry,
     resolve_engine_pid,
 )
+from kvwatch.hookwire.counters import EventCounters
 from kvwatch.hookwire.protocol import (
     Cancel,
     Cancelled,
     Close,
+    EngineInfo,
     ErrorMessage,
-    Hello,
     LineFramer,
     LineTooLongError,
     Message,
@@ -83,12 +83,12 @@ class EngineConnection:
         writer: asyncio.StreamWriter,
         peer: PeerCredentials,
         registry: StreamRegistry,
-        counters: HookCounters,
+        counters: EventCounters,
         agent_name: str,
     ) -> None:
         self.connection_id = connection_id
         self.peer = peer
-        self.hello: Hello | None = None
+        self.hello: EngineInfo | None = None
         self._reader = reader
         self._writer = writer
         self._registry = registry
@@ -173,7 +173,7 @@ class EngineConnection:
         try:
             if isinstance(item, ProtocolError):
                 self._malformed(item)
-            elif isinstance(item, Hello):
+            elif isinstance(item, EngineInfo):
                 self._start_session(item)
             elif self.hello is None:
                 self._counters.add("before_hello_messages")
@@ -202,7 +202,7 @@ class EngineConnection:
             self._send(ErrorMessage(message=error.message, hint=error.hint))
             self._refusing = True
 
-    def _start_session(self, hello: Hello) -> None:
+    def _start_session(self, hello: EngineInfo) -> None:
         self._counters.add("hellos")
         if self.hello is not None:
             self._counters.add("session_resets")
@@ -218,7 +218,7 @@ class EngineConnection:
         self.hello = hello
         self._send(Welcome(agent=self._agent_name))
 
-    def _open(self, message: Open, hello: Hello) -> None:
+    def _open(self, message: Open, hello: EngineInfo) -> None:
         self._counters.add("opens")
         stream = EngineStream(
             request_id=message.request_id,

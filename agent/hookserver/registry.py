@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvwatch.hookwire.counters import EventCounters
 from kvwatch.sockets import Endpoint
 
 # Streams one connection may announce, and all connections together: what bounds the memory
@@ -97,21 +98,6 @@ def resolve_engine_pid(peer_pid: int, hello_pid: int, announced_pid: int) -> int
     return peer_pid
 
 
-class HookCounters:
-    """Monotonic event counts (COUNTER_NAMES); touched only on the event loop, so no lock."""
-
-    def __init__(self) -> None:
-        self._values = dict.fromkeys(COUNTER_NAMES, 0)
-
-    def add(self, name: str, amount: int = 1) -> None:
-        if name not in self._values:
-            raise KeyError(f"unknown hook server counter {name!r}")
-        self._values[name] += amount
-
-    def snapshot(self) -> dict[str, int]:
-        return dict(self._values)
-
-
 ChangeCallback = Callable[[str, EngineStream | None], None]
 FourTuple = tuple[Endpoint, Endpoint]
 
@@ -129,7 +115,7 @@ class StreamRegistry:
 
     def __init__(
         self,
-        counters: HookCounters,
+        counters: EventCounters,
         on_change: ChangeCallback | None,
         max_per_owner: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
         max_streams: int = DEFAULT_MAX_STREAMS,

@@ -18,11 +18,12 @@ from kvwatch.errors import ConfigError
 from kvwatch.hookserver.connection import EngineConnection, PeerCredentials
 from kvwatch.hookserver.listen import bind_listening_socket, peer_credentials, remove_socket_file
 from kvwatch.hookserver.registry import (
+    COUNTER_NAMES,
     ChangeCallback,
     EngineStream,
-    HookCounters,
     StreamRegistry,
 )
+from kvwatch.hookwire.counters import EventCounters
 from kvwatch.hookwire.types import CancelOutcome
 from kvwatch.sockets import Endpoint
 
@@ -108,7 +109,7 @@ class HookServer:
         self._max_per_uid = max_connections_per_uid or max(1, max_connections // 2)
         self._hello_seconds = hello_seconds
         self._agent_name = agent_name
-        self._counters = HookCounters()
+        self._counters = EventCounters(COUNTER_NAMES)
         self._registry = StreamRegistry(self._counters, on_change)
         self._admitted: dict[int, _Admitted] = {}
         self._per_uid: Counter[int] = Counter()

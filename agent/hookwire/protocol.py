@@ -59,8 +59,10 @@ class Message:
 
 
 @dataclass(frozen=True)
-class Hello(Message):
-    """Engine → agent, first on every connection: who the engine is. Starts a new session."""
+class EngineInfo(Message):
+    """Engine → agent, first on every connection (the "hello"): who the engine is, its KV
+    geometry and device. Starts a new session. An engine builds one and hands it to
+    `kvwatch.hook.EngineHook`; a bad field fails here, at construction."""
 
     TYPE: ClassVar[str] = "hello"
     engine: str
@@ -172,7 +174,8 @@ class Cancelled(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, Welcome, ErrorMessage, Open, Update, Close, Cancel, Cancelled)
+    cls.TYPE: cls
+    for cls in (EngineInfo, Welcome, ErrorMessage, Open, Update, Close, Cancel, Cancelled)
 }
 
 

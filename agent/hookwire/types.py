@@ -1,4 +1,5 @@
-"""The engine-facing types of the kvwatch hook: what an engine announces and how it answers."""
+"""The engine hook's types both sides share besides the messages: where the socket is, and how
+an engine answers a cancel."""
 
 from __future__ import annotations
 
@@ -13,18 +14,6 @@ SOCKET_PATH_ENV = "KVWATCH_ENGINE_SOCKET"
 def resolve_socket_path(socket_path: str | None) -> str:
     """The explicit path, else $KVWATCH_ENGINE_SOCKET, else the default."""
     return socket_path or os.environ.get(SOCKET_PATH_ENV) or DEFAULT_SOCKET_PATH
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the engine announces in its hello: identity, KV geometry and device."""
-
-    engine: str
-    model: str
-    pid: int
-    bytes_per_block: int
-    device: str
-    kv_blocks_total: int
 
 
 @dataclass(frozen=True)

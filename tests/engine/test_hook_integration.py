@@ -24,7 +24,7 @@ from kvwatch.hookwire.protocol import (
     Cancel,
     Cancelled,
     Close,
-    Hello,
+    EngineInfo,
     LineFramer,
     Message,
     Open,
@@ -103,8 +103,8 @@ def test_agent_cancel_frees_the_stalled_request_and_resets_its_client(
     hooked_server: tuple[EngineServer, MiniAgent],
 ) -> None:
     server, agent = hooked_server
-    hello = agent.wait_for(lambda m: isinstance(m, Hello), "hello")
-    assert isinstance(hello, Hello)
+    hello = agent.wait_for(lambda m: isinstance(m, EngineInfo), "hello")
+    assert isinstance(hello, EngineInfo)
     assert hello.pid == os.getpid()
     assert hello.bytes_per_block == server.engine.description.bytes_per_block
     assert hello.kv_blocks_total == 64

@@ -16,7 +16,7 @@ from kvwatch.hookserver.server import HookServer
 from kvwatch.hookwire.protocol import (
     Cancelled,
     Close,
-    Hello,
+    EngineInfo,
     LineFramer,
     Open,
     UnsupportedVersionError,
@@ -48,7 +48,7 @@ def expected_counts(chunks: Iterable[bytes]) -> Counter[str]:
                 counts["malformed_messages"] += 1
                 if isinstance(item, UnsupportedVersionError) and not said_hello:
                     return counts  # refused: the server reads no further
-            elif isinstance(item, Hello):
+            elif isinstance(item, EngineInfo):
                 counts["hellos"] += 1
                 said_hello = True
             elif not said_hello:

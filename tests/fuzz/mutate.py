@@ -25,7 +25,7 @@ from kvwatch.errors import ProtocolError
 from kvwatch.hookwire.protocol import (
     Cancelled,
     Close,
-    Hello,
+    EngineInfo,
     Message,
     Open,
     Update,
@@ -37,7 +37,9 @@ from tests.fuzz.live import LiveServer
 
 SESSION_LINES = 500
 SEED_MESSAGES: list[Message] = [
-    Hello(engine="fuzz", model="m", pid=1, bytes_per_block=16, device="cpu", kv_blocks_total=8),
+    EngineInfo(
+        engine="fuzz", model="m", pid=1, bytes_per_block=16, device="cpu", kv_blocks_total=8
+    ),
     Open(
         request_id="r-1",
         local=Endpoint("127.0.0.1", 8000),

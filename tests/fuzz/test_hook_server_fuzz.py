@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvwatch.hookwire.protocol import Hello, encode
+from kvwatch.hookwire.protocol import EngineInfo, encode
 from tests.fuzz.conftest import fuzz_settings, message_bodies
 from tests.fuzz.live import LiveServer
 
 HELLO = encode(
-    Hello(
+    EngineInfo(
         engine="fuzz",
         model="m",
         pid=os.getpid(),

@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI
 
 from kvwatch.hook.asgi import Middleware
-from kvwatch.hookwire.protocol import Cancel, Cancelled, Close, Hello, Message, Open, Update
+from kvwatch.hookwire.protocol import Cancel, Cancelled, Close, EngineInfo, Message, Open, Update
 from tests.hook.asgi_servers import (
     SseApp,
     completion_request,
@@ -106,7 +106,7 @@ def test_streams_are_announced_with_the_sockets_real_addresses(
     updates = [m for m in _of(agent.messages, Update) if m.request_id == "req-7"]  # type: ignore[attr-defined]
     assert updates and all(u.kv_estimated for u in updates)  # type: ignore[attr-defined]
     assert max(u.tokens_out for u in updates) == 40  # type: ignore[attr-defined]
-    assert isinstance(agent.messages[0], Hello)
+    assert isinstance(agent.messages[0], EngineInfo)
     assert agent.messages[0].engine == "asgi"
 
 

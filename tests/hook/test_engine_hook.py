@@ -10,14 +10,14 @@ from collections.abc import Callable
 
 import pytest
 
-from kvwatch.errors import ConfigError
+from kvwatch.errors import ConfigError, ProtocolError
 from kvwatch.hook import DEFAULT_SOCKET_PATH, SOCKET_PATH_ENV, CancelOutcome, EngineHook
 from kvwatch.hookwire.protocol import (
     Cancel,
     Cancelled,
     Close,
+    EngineInfo,
     ErrorMessage,
-    Hello,
     Message,
     Open,
     Update,
@@ -76,7 +76,7 @@ def test_hello_then_open_update_close_arrive_with_their_fields(
     hook.stream_closed("cmpl-1", "finished")
     messages = agent.wait_for(lambda ms: bool(_of_type(ms, Close)))
 
-    assert messages[0] == Hello(
+    assert messages[0] == EngineInfo(
         engine="kvwatch-reference",
         model="tiny",
         pid=ENGINE_INFO.pid,
@@ -120,7 +120,7 @@ def test_agent_restart_gets_hello_and_live_streams_again(
 
     restarted = agent_factory()
     messages = restarted.wait_for(lambda ms: bool(_of_type(ms, Open)))
-    assert isinstance(messages[0], Hello)
+    assert isinstance(messages[0], EngineInfo)
     assert [(m.request_id, m.kv_blocks, m.tokens_out) for m in _of_type(messages, Open)] == [  # type: ignore[attr-defined]
         ("live", 6, 30)
     ]
@@ -170,8 +170,8 @@ def test_agent_that_never_reads_costs_the_engine_nothing(
     wait_until(lambda: hook.counters()["dropped_queue_full"] > 0)
 
     agent.resume_reading()  # the agent recovers: a resync restores the exact live set
-    messages = agent.wait_for(lambda ms: len(_of_type(ms, Hello)) >= 2)
-    last_hello = max(i for i, m in enumerate(messages) if isinstance(m, Hello))
+    messages = agent.wait_for(lambda ms: len(_of_type(ms, EngineInfo)) >= 2)
+    last_hello = max(i for i, m in enumerate(messages) if isinstance(m, EngineInfo))
     messages = agent.wait_for(lambda ms: len(_of_type(ms[last_hello:], Open)) >= 2000, timeout=10.0)
     resynced = {m.request_id for m in _of_type(messages[last_hello:], Open)}  # type: ignore[attr-defined]
     assert resynced == {f"r{n}" for n in range(0, 4000, 2)}
@@ -316,8 +316,8 @@ def test_socket_path_comes_from_the_argument_the_environment_or_the_default(
     assert EngineHook(ENGINE_INFO, default_handler, "/x.sock").socket_path == "/x.sock"
 
 
-def test_invalid_engine_info_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="invalid EngineInfo: 'hello' message field 'pid'"):
-        EngineHook(dataclasses.replace(ENGINE_INFO, pid=-1), default_handler)
+def test_invalid_engine_info_fails_where_it_is_built_and_a_bad_queue_is_a_config_error() -> None:
+    with pytest.raises(ProtocolError, match="'hello' message field 'pid'"):
+        dataclasses.replace(ENGINE_INFO, pid=-1)
     with pytest.raises(ConfigError, match="queue_size must be positive"):
         EngineHook(ENGINE_INFO, default_handler, queue_size=0)

@@ -14,12 +14,13 @@ import pytest
 
 from kvwatch import accept
 from kvwatch.accept import AcceptLoop
-from kvwatch.hookserver.registry import EngineStream, HookCounters, StreamRegistry
-from kvwatch.hookwire.protocol import ErrorMessage, Hello, Welcome
+from kvwatch.hookserver.registry import COUNTER_NAMES, EngineStream, StreamRegistry
+from kvwatch.hookwire.counters import EventCounters
+from kvwatch.hookwire.protocol import EngineInfo, ErrorMessage, Welcome
 from kvwatch.sockets import Endpoint
 from tests.hookserver.conftest import RawEngine, engine_hook, run_async, running_server, wait_until
 
-HELLO = Hello(
+HELLO = EngineInfo(
     engine="raw", model="tiny", pid=os.getpid(), bytes_per_block=1, device="cpu", kv_blocks_total=1
 )
 
@@ -100,7 +101,7 @@ def _stream(request_id: str, port: int) -> EngineStream:
 
 
 def test_streams_are_capped_per_connection_and_in_total() -> None:
-    counters = HookCounters()
+    counters = EventCounters(COUNTER_NAMES)
     registry = StreamRegistry(counters, None, max_per_owner=2, max_streams=3)
     assert registry.open(1, _stream("a", 1)) and registry.open(1, _stream("b", 2))
     assert not registry.open(1, _stream("c", 3))  # owner 1 is full

@@ -18,8 +18,8 @@ from kvwatch.hookwire.protocol import (
     Cancel,
     Cancelled,
     Close,
+    EngineInfo,
     ErrorMessage,
-    Hello,
     LineFramer,
     Open,
     Update,
@@ -49,8 +49,8 @@ def _client(port: int) -> tuple[str, int]:
     return ("127.0.0.1", port)
 
 
-def _hello(pid: int = ENGINE_INFO.pid) -> Hello:
-    return Hello(
+def _hello(pid: int = ENGINE_INFO.pid) -> EngineInfo:
+    return EngineInfo(
         engine="raw",
         model="tiny",
         pid=pid,

@@ -17,8 +17,8 @@ from kvwatch.hookwire.protocol import (
     Cancel,
     Cancelled,
     Close,
+    EngineInfo,
     ErrorMessage,
-    Hello,
     LineFramer,
     Message,
     Open,
@@ -30,7 +30,7 @@ from kvwatch.hookwire.protocol import (
 from kvwatch.sockets import Endpoint
 
 EVERY_MESSAGE: list[Message] = [
-    Hello(
+    EngineInfo(
         engine="kvwatch-reference",
         model="tiny",
         pid=123,

@@ -8,8 +8,8 @@ from typing import Any
 import click
 from rich.console import Console
 
-from kvwatch.streams.view import human_bytes
 from kvwatch.tools.client import DEFAULT_AGENT_URL, get_json
+from kvwatch.tools.tables import human_bytes
 
 EVENT_TEXT = {
     "accepted": "connection accepted",

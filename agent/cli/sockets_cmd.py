@@ -21,8 +21,9 @@ from kvwatch.collect.table import OpenedCollector, open_collector
 from kvwatch.errors import KvwatchError
 from kvwatch.sockets import Endpoint
 from kvwatch.streams.states import StatePolicy
-from kvwatch.streams.view import socket_json, sockets_table
+from kvwatch.streams.view import socket_json
 from kvwatch.tools.client import DEFAULT_AGENT_URL, get_json
+from kvwatch.tools.tables import sockets_table
 
 AGENT_TIMEOUT_SECONDS = 2.0
 

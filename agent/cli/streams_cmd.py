@@ -12,8 +12,8 @@ from rich.text import Text
 
 from kvwatch.cli.options import state_filter_option
 from kvwatch.streams.states import StreamState
-from kvwatch.streams.view import STATE_STYLES, kv_text
 from kvwatch.tools.client import DEFAULT_AGENT_URL, get_json
+from kvwatch.tools.tables import STATE_STYLES, kv_text
 
 
 @click.command("streams")

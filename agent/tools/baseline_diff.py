@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kvwatch.errors import ConfigError
-from kvwatch.streams.view import human_bytes
 from kvwatch.tools.baseline import FORMAT, FORMAT_VERSION, ProcessMemory, Snapshot
+from kvwatch.tools.tables import human_bytes
 
 _NEW_BASELINE_HINT = (
     "take a new one with `kvwatch baseline save FILE` (this one may be truncated or edited)"

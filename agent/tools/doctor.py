@@ -32,9 +32,9 @@ from kvwatch.collect.bpf.loader import (
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.config import HookConfig
 from kvwatch.errors import KvwatchError
-from kvwatch.streams.view import human_bytes
 from kvwatch.tools.baseline import parse_sysctl_numbers, read_sysctl
 from kvwatch.tools.client import DEFAULT_AGENT_URL
+from kvwatch.tools.tables import human_bytes
 
 Status = Literal["ok", "warn", "fail", "info"]
 CAPABILITIES = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21, "CAP_PERFMON": 38, "CAP_BPF": 39}

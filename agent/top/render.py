@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvwatch.streams.states import StreamState
-from kvwatch.streams.view import ESTIMATE_MARK, STATE_STYLES, human_bytes
+from kvwatch.tools.tables import ESTIMATE_MARK, STATE_STYLES, human_bytes
 from kvwatch.top.model import Frame, Header, Row, RowFilter, fill_fraction
 
 COLUMN_GAP = 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvwatch.streams.view import kv_text
+from kvwatch.tools.tables import kv_text
 
 
 def test_kv_text_marks_estimates_and_unknowns() -> None:

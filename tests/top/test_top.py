@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from kvwatch.harness.scenario import Scenario
-from kvwatch.streams.view import human_bytes
+from kvwatch.tools.tables import human_bytes
 from kvwatch.top.keys import KEYS_HELP, Controls
 from kvwatch.top.model import CancelRate, Frame, Header, RowFilter, parse_metrics
 from kvwatch.top.render import COLUMNS, render_frame

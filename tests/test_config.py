@@ -20,7 +20,7 @@ from kvwatch.config import (
 )
 from kvwatch.errors import ConfigError
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def write(tmp_path: Path, text: str) -> str:

@@ -129,7 +129,7 @@ def test_doctor_without_privileges_exits_3_with_a_fix() -> None:
 
 
 def test_require_bpf_turns_a_skip_into_a_failure() -> None:
-    layout_test = str(Path(__file__).parents[1] / "bpf" / "test_stream_states.py")
+    layout_test = str(Path(__file__).parents[1] / "collect" / "bpf" / "test_stream_states.py")
     base = [
         *WITHOUT_PRIVILEGES,
         sys.executable,

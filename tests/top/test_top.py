@@ -15,7 +15,8 @@ from kvwatch.top.keys import KEYS_HELP, Controls
 from kvwatch.top.model import CancelRate, Frame, Header, RowFilter, parse_metrics
 from kvwatch.top.render import COLUMNS, render_frame
 from tests.e2e.conftest import Stack
-from tests.tools.conftest import KVWATCH, STALLED_REQUEST, Terminal, kvwatch
+from tests.tools.conftest import KVWATCH, STALLED_REQUEST, kvwatch
+from tests.top.conftest import Terminal
 
 
 def row_line(screen: str, needle: str) -> str:

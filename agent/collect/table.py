@@ -114,7 +114,9 @@ class TableStatus:
 
 def needed_sockets(table: TableStatus) -> int:
     """A --max-sockets that fits what the newest sweep saw, with a quarter to spare."""
-    seen = table.sockets_seen or table.tracked + table.evictions
+    seen = table.sockets_seen
+    if seen is None:  # no sweep yet: what the table holds and dropped
+        seen = table.tracked + table.evictions
     return max(table.max_sockets, seen + seen // 4)
 
 

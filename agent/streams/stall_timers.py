@@ -30,7 +30,8 @@ def episode_of(sample: SocketSample) -> int:
 class StallTimers:
     """Owned by the event loop. Invariants: at most one timer and at most one check in flight
     per socket key; a stall episode reaches the handler until the handler says it is done
-    with it, and never after; a handler that raised has not finished its episode."""
+    with it, and never after; a handler that raised has not finished its episode; a socket
+    observed while its check runs is looked at again when that check ends."""
 
     def __init__(self, policy: StatePolicy, read: SampleReader, on_stalled: StallHandler) -> None:
         self.policy = policy
@@ -39,6 +40,7 @@ class StallTimers:
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._done: dict[int, int] = {}
         self._checking: set[int] = set()
+        self._seen_while_checking: dict[int, int] = {}  # key -> newest episode observed
         self._tasks: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
@@ -51,8 +53,11 @@ class StallTimers:
         if not judgement.on_the_way:
             self.forget(sample.key)
             return
-        if self._done.get(sample.key) == episode_of(sample) or sample.key in self._checking:
-            return  # finished; or a check is running, and it re-arms the timer itself
+        if sample.key in self._checking:
+            self._seen_while_checking[sample.key] = episode_of(sample)
+            return
+        if self._done.get(sample.key) == episode_of(sample):
+            return
         self._arm(sample.key, judgement.recheck_ns or now_ns)
 
     def forget(self, key: int) -> None:
@@ -60,6 +65,7 @@ class StallTimers:
         if timer is not None:
             timer.cancel()
         self._done.pop(key, None)
+        self._seen_while_checking.pop(key, None)
 
     def _arm(self, key: int, when_ns: int) -> None:
         timer = self._timers.pop(key, None)
@@ -97,6 +103,11 @@ class StallTimers:
                 self._arm(key, time.monotonic_ns() + int(retry * 1e9))
         finally:
             self._checking.discard(key)
+            # A socket observed during the check may show an episode the check did not
+            # finish: look again now, unless a timer is already set for it.
+            seen = self._seen_while_checking.pop(key, None)
+            if seen is not None and seen != self._done.get(key) and key not in self._timers:
+                self._arm(key, time.monotonic_ns())
 
     async def _handle(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
         try:

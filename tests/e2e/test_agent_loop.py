@@ -121,7 +121,7 @@ def test_agent_restart_rebuilds_state_and_still_acts(stack: Stack) -> None:
     first.stop()
     stack.start_agent("--mode", "enforce")
     started = time.monotonic()
-    joined = None
+    joined, streams = None, []
     while time.monotonic() - started < 10:
         streams = httpx.get(f"{stack.agent_url}/api/v1/streams").json()
         joined = next(
@@ -130,7 +130,13 @@ def test_agent_restart_rebuilds_state_and_still_acts(stack: Stack) -> None:
         if joined:
             break
         time.sleep(0.1)
-    assert joined is not None, "the engine re-announced its stream to the new agent"
+    if joined is None:  # what the new agent saw, for a run that fails here
+        health = httpx.get(f"{stack.agent_url}/healthz").json()
+        seen = [(s["local"], s["remote"], s["state"], s["request_id"]) for s in streams]
+        raise AssertionError(
+            f"the new agent never joined the re-announced stream: engines {health['engines']}, "
+            f"sockets {seen}, stalled client {stalled.getsockname()}"
+        )
     assert time.monotonic() - started < 2.0, "state rebuilt within 2 s of the agent's start"
     assert joined["state"] in ("zero_window", "stalled")
     deadline = time.monotonic() + STALL_SECONDS + 3

@@ -85,7 +85,11 @@ def sample_fields(sample: SocketSample) -> dict[str, Any]:
 def agreeing_records(pair: Pair, key: int) -> tuple[KvSockRecord, KvSockRecord]:
     """Both records of socket `key`, read while no hook touched it (CO-RE's record is read
     before and after BCC's and must not have changed); fails with the fields that still
-    disagree after SETTLE_SECONDS."""
+    disagree after SETTLE_SECONDS. The two builds' programs on one hook run one after the
+    other, and an ACK on another CPU can land between them: a window that closes for a
+    fraction of a millisecond can be one episode in one record and none in the other, so
+    episode counts may differ by one over a whole scenario (seen once in Debian 6.1's row:
+    1 vs 2 after a 0.2 ms episode). Every other field must agree."""
     deadline = time.monotonic() + SETTLE_SECONDS
     last = ["no quiet moment to read both records in"]
     while time.monotonic() < deadline:
@@ -95,7 +99,7 @@ def agreeing_records(pair: Pair, key: int) -> tuple[KvSockRecord, KvSockRecord]:
         if before is None or theirs is None or after is None:
             last = [f"record missing: CO-RE {before is not None}, BCC {theirs is not None}"]
         elif bytes(before) == bytes(after):
-            last = differences(record_fields(before), record_fields(theirs))
+            last = differences(record_fields(before), record_fields(theirs), episode_slack=1)
             if not last:
                 return before, theirs
         time.sleep(0.02)

@@ -117,14 +117,21 @@ def record_fields(record: KvSockRecord) -> dict[str, Any]:
     }
 
 
-def differences(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+EPISODE_COUNTERS = ("zero_window_episodes", "sndbuf_full_episodes")
+
+
+def differences(
+    first: dict[str, Any], second: dict[str, Any], episode_slack: int = 0
+) -> list[str]:
     """Each field where two views of a record disagree; clocks (`*_ns`) may differ by the
-    tolerance."""
+    tolerance, episode counts by `episode_slack`."""
     found = []
     for name, ours in first.items():
         theirs = second[name]
         if name.endswith("_ns"):
             same = (ours == 0) == (theirs == 0) and abs(ours - theirs) <= CLOCK_TOLERANCE_NS
+        elif name in EPISODE_COUNTERS:
+            same = abs(ours - theirs) <= episode_slack
         else:
             same = ours == theirs
         if not same:

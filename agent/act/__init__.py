@@ -1,0 +1,1 @@
+"""Stage 4, actions: cancel a stalled request through the engine hook, or reset its socket."""

@@ -1,1 +1,2 @@
-"""The kvwatch agent daemon: the engine-hook server, the join, policy and actions."""
+"""`kvwatch run`: the daemon that owns and runs every stage, its preflight checks and its
+log rate limit."""

@@ -8,6 +8,8 @@ file over the defaults. Unknown keys in the file are errors with a "did you mean
 unknown keys of a known section in the environment (`KVWATCH_POLICY_STAL_SECONDS`), while
 variables of other sections (`KVWATCH_ENGINE_SOCKET`, `KVWATCH_REQUIRE_BPF`) are not ours.
 Environment values are text: lists are comma-separated ("8000,8001"; "" is the empty list).
+A renamed key (`RENAMED_KEYS`) still loads under its old name, file or environment, with a
+warning naming the new one.
 docs/configuration.md is the user's reference; keep it in step with the dataclasses below.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import sys
@@ -39,6 +42,10 @@ ENV_PREFIX = "KVWATCH_"
 # The most entries the kernel gives a BPF hash map: its bucket table (a power of two of
 # 16-byte buckets) must stay under 4 GiB (kernel/bpf/hashtab.c, htab_map_alloc).
 MAX_SOCKETS_LIMIT = 1 << 28
+# Old dotted key -> the key it was renamed to; the old one still loads, with a warning.
+RENAMED_KEYS = {"collector.send_hook": "collector.send_mode"}
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,7 @@ class CollectorConfig:
     ports: tuple[int, ...] = ()
     pid: int = 0
     backend: Backend = "auto"
-    send_hook: str = "auto"
+    send_mode: str = "auto"
     max_sockets: int = 16384
 
 
@@ -181,6 +188,15 @@ class _Origin:
 
     label: str
     fix: str
+
+
+def _renamed(key: str, where: str, spell: Callable[[str], str] = str) -> str:
+    """`key`, or the key it was renamed to, saying so (each written by `spell`)."""
+    new = RENAMED_KEYS.get(key)
+    if new is None:
+        return key
+    log.warning("%s is now %s (%s): rename it", spell(key), spell(new), where)
+    return new
 
 
 def _suggest_section(section: str) -> str:
@@ -289,7 +305,7 @@ def _read_file(path: str) -> dict[str, object]:
         if not isinstance(table, dict):
             raise ConfigError(f"{section} in {path} must be a table", f"write it as [{section}]")
         for name, value in table.items():
-            key = f"{section}.{name}"
+            key = _renamed(f"{section}.{name}", f"in {path}")
             if key not in _FIELDS:
                 raise ConfigError(f"unknown key {key} in {path}", _suggest_key(key))
             values[key] = value
@@ -299,7 +315,7 @@ def _read_file(path: str) -> dict[str, object]:
 def _read_env(env: Mapping[str, str]) -> dict[str, object]:
     """The KVWATCH_<SECTION>_<KEY> variables of our sections, by dotted key."""
     values: dict[str, object] = {}
-    known = {env_name(key): key for key in _FIELDS}
+    known = {env_name(key): key for key in (*_FIELDS, *RENAMED_KEYS)}
     for name, text in env.items():
         section = name[len(ENV_PREFIX) :].split("_", 1)[0].lower()
         if not name.startswith(ENV_PREFIX) or section not in _SECTIONS:
@@ -308,7 +324,7 @@ def _read_env(env: Mapping[str, str]) -> dict[str, object]:
             key = section + "." + name[len(ENV_PREFIX) + len(section) + 1 :].lower()
             hint = _suggest_key(key, env_name)
             raise ConfigError(f"unknown environment variable {name}", hint)
-        values[known[name]] = text
+        values[_renamed(known[name], "in the environment", env_name)] = text
     return values
 
 
@@ -367,7 +383,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: _ports_ok(v) and len(v) <= MAX_FILTER_PORTS,
         f"a list of at most {MAX_FILTER_PORTS} ports 1..65535 (empty = all ports)",
     ),
-    "collector.send_hook": (
+    "collector.send_mode": (
         lambda v: v in ("auto", *SEND_MODES),
         "one of " + ", ".join(("auto", *SEND_MODES)),
     ),

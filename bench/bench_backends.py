@@ -58,7 +58,7 @@ def child(backend: str) -> None:
                 "start_seconds": attached - imported,
                 "rss_mb": int(status["VmRSS"].split()[0]) * 1024 / MB,
                 "peak_rss_mb": int(status["VmHWM"].split()[0]) * 1024 / MB,
-                "hooks": collector.report.describe(),
+                "attach_points": collector.report.describe(),
             }
         )
     )
@@ -100,7 +100,7 @@ def summarise(starts: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("import_seconds", "start_seconds", "rss_mb", "peak_rss_mb")
     return {
         **{f"median_{key}": statistics.median(s[key] for s in starts) for key in keys},
-        "hooks": starts[-1]["hooks"],
+        "attach_points": starts[-1]["attach_points"],
         "starts": starts,
     }
 

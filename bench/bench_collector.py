@@ -3,19 +3,20 @@ without, each BPF handler's ns per event next to this kernel's floor, the table 
 10,000 sockets, and the agent's footprint, side by side in one run.
 
 1. CPU per token (bench/collector_cpu.py), at 64 and 1,000 streams, in many short phases
-   with the hooks attached and detached in turn (ABBA). On a shared machine the CPU a token
-   costs moves by tens of percent from one second to the next, so the overhead is measured
-   as a ratio inside one process: a token pump (bench/token_load.py) serves a watched and a
-   control set of streams in turns, and what a watched token costs beyond a control token,
-   hooks on against off, is what tracking adds (median, bootstrap 95% interval). Added to it:
-   the dispatch floor every socket pays (events per token x the empty program's ns) and the
-   agent's table reads; divided by the CPU an SSE token costs with the hooks off (an asyncio
-   SSE server and its reader in a cgroup, kernel time included). That SSE load also gives
+   with the programs attached and detached in turn (ABBA). On a shared machine the CPU a
+   token costs moves by tens of percent from one second to the next, so the overhead is
+   measured as a ratio inside one process: a token pump (bench/token_load.py) serves a
+   watched and a control set of streams in turns, and what a watched token costs beyond a
+   control token, programs attached against detached, is what tracking adds (median,
+   bootstrap 95% interval). Added to it: the dispatch floor every socket pays (events per
+   token x the empty program's ns) and the agent's table reads; divided by the CPU an SSE
+   token costs with the programs detached (an asyncio SSE server and its reader in a
+   cgroup, kernel time included). That SSE load also gives
    the direct on/off ratio of its CPU per token and of its throughput (secondary figures).
 2. ns per event, from the kernel's BPF statistics (kernel.bpf_stats_enabled), for both record
    layouts (socket-local storage and the LRU hash), next to reference programs on the same
-   hooks and traffic (bench/bpf/calibrate.bpf.c): an empty program (the floor: the cost of
-   being attached and measured), one LRU lookup, one socket-storage lookup.
+   attach points and traffic (bench/bpf/calibrate.bpf.c): an empty program (the floor: the
+   cost of being attached and measured), one LRU lookup, one socket-storage lookup.
 3. One read of the whole table (and of the samples made from it) at 10,000 idle sockets.
 4. The agent's footprint at 0, 1,000 and 10,000 sockets (bench/bench_footprint.py).
 
@@ -52,9 +53,10 @@ STATS_SECONDS = 4.0
 SNAPSHOT_SOCKETS = 10_000
 SNAPSHOT_READS = 15
 CALIBRATE_OBJECT = Path(__file__).parent / "bpf" / "calibrate.bpf.o"
-# The floor each kvwatch hook is compared with: an empty program on the same tracepoint.
+# The floor each kvwatch attach point is compared with: an empty program on the same
+# tracepoint.
 FLOOR = {"send": "calibrate_empty_send", "ack": "calibrate_empty", "read": "calibrate_empty_read"}
-UNFILTERED_HOOKS = {"read"}
+UNFILTERED_POINTS = {"read"}
 TARGETS = {
     "handler_over_empty_max": 2.5,
     "cpu_overhead_percent_max": 1.0,
@@ -89,8 +91,8 @@ def calibration_programs() -> Iterator[dict[str, int]]:
 
 def costs_window(load: TokenLoad, order: tuple[str, ...]) -> tuple[dict[str, Any], int]:
     """Run counts and times over STATS_SECONDS of both record layouts' programs, attached in
-    `order` (the first program on a hook finds the socket's cache lines cold), then the
-    reference programs; and the tokens written meanwhile."""
+    `order` (the first program on an attach point finds the socket's cache lines cold), then
+    the reference programs; and the tokens written meanwhile."""
     collectors = {
         storage: BpfCollector(CollectorSettings(ports=(load.port,), storage=storage))
         for storage in order
@@ -99,9 +101,9 @@ def costs_window(load: TokenLoad, order: tuple[str, ...]) -> tuple[dict[str, Any
     try:
         with calibration_programs() as reference:
             fds = {
-                f"{storage}.{hook}": fd
+                f"{storage}.{point}": fd
                 for storage, collector in collectors.items()
-                for hook, fd in collector.programs.program_fds().items()
+                for point, fd in collector.programs.program_fds().items()
             }
             fds.update(reference)
             before = {name: program_run_stats(fd) for name, fd in fds.items()}
@@ -124,9 +126,9 @@ def costs_window(load: TokenLoad, order: tuple[str, ...]) -> tuple[dict[str, Any
 
 
 def handler_costs(load: TokenLoad) -> dict[str, Any]:
-    """ns per event and events per token of each hook in both record layouts, attached side
-    by side on the same traffic (two windows, each layout first once), and of the reference
-    programs, which run last and so find the socket warm."""
+    """ns per event and events per token of each attach point in both record layouts,
+    attached side by side on the same traffic (two windows, each layout first once), and of
+    the reference programs, which run last and so find the socket warm."""
     totals: dict[str, ProgramRunStats] = {}
     tokens = 0
     for order in (STORAGES, STORAGES[::-1]):
@@ -147,13 +149,13 @@ def handler_costs(load: TokenLoad) -> dict[str, Any]:
     reference = {name: cost(s) for name, s in totals.items() if name.startswith("calibrate")}
     result: dict[str, Any] = {}
     for storage in STORAGES:
-        hooks = {
+        points = {
             name.split(".", 1)[1]: cost(s)
             for name, s in totals.items()
             if name.startswith(f"{storage}.")
         }
-        ns_per_token = sum(hooks[h]["ns_per_event"] * hooks[h]["events_per_token"] for h in FLOOR)
-        result[storage] = {**hooks, **reference, "bpf_ns_per_token": round(ns_per_token, 1)}
+        ns_per_token = sum(points[h]["ns_per_event"] * points[h]["events_per_token"] for h in FLOOR)
+        result[storage] = {**points, **reference, "bpf_ns_per_token": round(ns_per_token, 1)}
     return result
 
 
@@ -169,14 +171,15 @@ def at_streams(streams: int) -> dict[str, Any]:
         sse_result = collector_cpu.sse_pairs(load)
         handlers = handler_costs(load)
     default = handlers["sk_storage"]
-    # What every socket pays, watched or not: the empty program's dispatch on the hooks that
-    # drop unwatched sockets at their first instructions (send, ACK), and the whole handler
-    # on the read hook, which has no port filter (it tests the reading process's kv_writers
-    # bit first; the SSE clients write to no tracked socket, so that is what they pay).
+    # What every socket pays, watched or not: the empty program's dispatch on the attach
+    # points that drop unwatched sockets at their first instructions (send, ACK), and the
+    # whole handler on the read attach point, which has no port filter (it tests the reading
+    # process's kv_writers bit first; the SSE clients write to no tracked socket, so that is
+    # what they pay).
     floor_ns = sum(
-        default[hook]["events_per_token"]
-        * default[hook if hook in UNFILTERED_HOOKS else floor]["ns_per_event"]
-        for hook, floor in FLOOR.items()
+        default[point]["events_per_token"]
+        * default[point if point in UNFILTERED_POINTS else floor]["ns_per_event"]
+        for point, floor in FLOOR.items()
     )
     return {
         "streams": streams,
@@ -259,9 +262,9 @@ def judged(result: dict[str, Any]) -> dict[str, Any]:
     met: dict[str, Any] = {}
     for row in result["streams"]:
         handlers = row["handlers"]["sk_storage"]
-        for hook, floor in FLOOR.items():
-            times = round(handlers[hook]["ns_per_event"] / handlers[floor]["ns_per_event"], 2)
-            met[f"{hook}_over_empty_at_{row['streams']}"] = {
+        for point, floor in FLOOR.items():
+            times = round(handlers[point]["ns_per_event"] / handlers[floor]["ns_per_event"], 2)
+            met[f"{point}_over_empty_at_{row['streams']}"] = {
                 "value": times,
                 "met": times <= TARGETS["handler_over_empty_max"],
             }
@@ -295,10 +298,10 @@ def plot(result: dict[str, Any]) -> None:
     row = result["streams"][0]
     handlers = row["handlers"]
     bars: dict[str, dict[str, float]] = {}
-    for hook, floor in FLOOR.items():
-        bars[f"{hook} (sk_storage)"] = handlers["sk_storage"][hook]
-        bars[f"{hook} (lru_hash)"] = handlers["lru_hash"][hook]
-        bars[f"floor: empty {hook}"] = handlers["sk_storage"][floor]
+    for point, floor in FLOOR.items():
+        bars[f"{point} (sk_storage)"] = handlers["sk_storage"][point]
+        bars[f"{point} (lru_hash)"] = handlers["lru_hash"][point]
+        bars[f"floor: empty {point}"] = handlers["sk_storage"][floor]
     bars["ref: storage get"] = handlers["sk_storage"]["calibrate_storage"]
     bars["ref: LRU lookup"] = handlers["sk_storage"]["calibrate_lookup"]
     colours = ["grey" if name.startswith(("floor", "ref")) else "tab:orange" for name in bars]

@@ -1,14 +1,14 @@
 """The CPU a token costs with the collector attached and without, for bench_collector.
 
-Two measurements, each of many short phases with the collector's hooks attached and detached
-in turn (ABBA: off/on, then on/off), the programs loaded once so a phase can be short:
+Two measurements, each of many short phases with the collector's programs attached and
+detached in turn (ABBA: off/on, then on/off), the programs loaded once so a phase can be short:
 - `pump_pairs`: the TokenPump's watched and control sets. The send and ACK programs drop
   the control set's sockets at their first instructions, so the ratio of the two sets' cost
   per token, on against off, is what tracking a socket adds (ns per token, beyond what every
-  socket pays: the dispatch, and the read hook, which has no port filter); the machine's own
+  socket pays: the dispatch, and the read attach point, which has no port filter); the machine's own
   drift cancels in it.
 - `sse_pairs`: the TokenLoad (an SSE server and its reader, in a cgroup). Its CPU per token
-  with the hooks off is the price a token has without kvwatch (the denominator of the
+  with the programs detached is the price a token has without kvwatch (the denominator of the
   overhead); its on/off ratio is the direct, noisier view of the same overhead, and the
   agent's table read, once per BPF_SCAN_SECONDS, is timed in its "on" phases.
 """
@@ -50,7 +50,7 @@ def rounded(summary: dict[str, float], scale: float = 1.0, digits: int = 1) -> d
 
 
 def alternate(collector: BpfCollector, pairs: int, phase: Callable[[bool], P]) -> list[tuple[P, P]]:
-    """`pairs` (off, on) phases in ABBA order, the collector's hooks detached for "off"."""
+    """`pairs` (off, on) phases in ABBA order, the collector's programs detached for "off"."""
     programs = collector.programs
     assert isinstance(programs, BpfPrograms)
     measured: list[tuple[P, P]] = []
@@ -94,7 +94,7 @@ def pump_pairs(pump: TokenPump) -> list[tuple[PumpPhase, PumpPhase]]:
 
 
 def tracked_extra_ns(pairs: Sequence[tuple[PumpPhase, PumpPhase]]) -> list[float]:
-    """Per pair: the ns a watched token costs beyond a control token, hooks on against off."""
+    """Per pair: the ns a watched token costs beyond a control token, attached against detached."""
     return [(on.ratio / off.ratio - 1) * on.control_ns_per_token for off, on in pairs]
 
 
@@ -132,7 +132,7 @@ def sse_pairs(load: TokenLoad) -> list[tuple[SsePhase, SsePhase]]:
     collector = BpfCollector(CollectorSettings(ports=(load.port,)))
 
     def phase(on: bool) -> SsePhase:
-        """With the hooks on, the table is read once mid-phase, and that read's CPU is
+        """With the programs attached, the table is read once mid-phase, and that read's CPU is
         scaled to the agent's rate of one read every BPF_SCAN_SECONDS."""
         start = load.read()
         agent_ns = 0.0
@@ -184,7 +184,7 @@ def overhead_percent(
 ) -> dict[str, float]:
     """What kvwatch adds to an SSE token's CPU, in percent: the pump's tracked extra, the
     dispatch floor every socket pays, and the agent's reads, over the SSE token's CPU with
-    the hooks off. Median of the point estimates; the interval resamples both runs."""
+    the programs detached. Median of the point estimates; the interval resamples both runs."""
     extra = tracked_extra_ns(pump)
     prices = [off.cpu_per_token_ns for off, _ in sse]
     agent = [on.agent_cpu_ns / on.tokens for _, on in sse]

@@ -1,4 +1,4 @@
-"""The kernel side: events, drops, evictions, tracked sockets and the mode each hook got."""
+"""The kernel side: events, drops, evictions, tracked sockets and the mode each attach point got."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ def bpf_metrics(state: AgentState) -> Iterator[Metric]:
     if bpf is None:
         return
     attach = GaugeMetricFamily(
-        "kvwatch_bpf_hook_attached",
-        "1 for the mode each BPF hook attached with.",
-        labels=["hook", "mode"],
+        "kvwatch_bpf_attached",
+        "1 for the mode each BPF attach point attached with.",
+        labels=["point", "mode"],
     )
-    for hook, mode in bpf.report.hooks.items():
-        attach.add_metric([hook, mode], 1.0)
+    for point, mode in bpf.report.points.items():
+        attach.add_metric([point, mode], 1.0)
     yield attach
     stats = bpf.stats(tracked=len(state.samples()))
     for name, help_text in (
@@ -55,16 +55,16 @@ def bpf_metrics(state: AgentState) -> Iterator[Metric]:
     runs = CounterMetricFamily(
         "kvwatch_bpf_program_runs",
         "Runs of each BPF program (counted while kernel.bpf_stats_enabled=1).",
-        labels=["hook"],
+        labels=["point"],
     )
     run_time = CounterMetricFamily(
         "kvwatch_bpf_program_run_seconds",
         "Time spent in each BPF program, in seconds (counted while kernel.bpf_stats_enabled=1).",
-        labels=["hook"],
+        labels=["point"],
     )
-    for hook, fd in bpf.programs.program_fds().items():
+    for point, fd in bpf.programs.program_fds().items():
         program = program_run_stats(fd)
-        runs.add_metric([hook], program.run_count)
-        run_time.add_metric([hook], program.run_time_ns / 1e9)
+        runs.add_metric([point], program.run_count)
+        run_time.add_metric([point], program.run_time_ns / 1e9)
     yield runs
     yield run_time

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from kvwatch.collect.bpf.loader import SEND_MODES
 from kvwatch.collect.table import BACKENDS
 from kvwatch.config import (
+    RENAMED_KEYS,
     AgentConfig,
     CollectorConfig,
     PolicyConfig,
@@ -113,6 +115,20 @@ def test_unknown_keys_and_sections_in_the_file_are_errors_with_a_suggestion(
     assert message.endswith("(known: KVWATCH_PATH_PROCFS, KVWATCH_PATH_SYSFS)")
 
 
+def test_a_renamed_key_still_loads_under_its_old_name_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write(tmp_path, "[collector]\nsend_hook = 'kprobe'\n")
+    with caplog.at_level(logging.WARNING, logger="kvwatch.config"):
+        assert load_config(path, {}, {}).collector.send_mode == "kprobe"
+    assert f"collector.send_hook is now collector.send_mode (in {path})" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvwatch.config"):
+        config = load_config(None, {"KVWATCH_COLLECTOR_SEND_HOOK": "raw_tp"}, {})
+    assert config.collector.send_mode == "raw_tp"
+    assert "KVWATCH_COLLECTOR_SEND_HOOK is now KVWATCH_COLLECTOR_SEND_MODE" in caplog.text
+
+
 def test_an_unknown_flag_key_is_an_error() -> None:
     assert "did you mean policy.mode?" in error_of(flags={"policy.mod": "enforce"})
     assert "(sections: policy," in error_of(flags={"mode": "enforce"})
@@ -138,7 +154,7 @@ def test_an_unknown_flag_key_is_an_error() -> None:
         ("collector.ports", tuple(range(1, 18)), "a list of at most 16 ports"),
         ("collector.ports", 8000, "collector.ports must be a list of integers (got 8000,"),
         ("collector.backend", "ebpf", "collector.backend must be one of auto, core, bcc, diag"),
-        ("collector.send_hook", "tp", "collector.send_hook must be one of auto, fentry"),
+        ("collector.send_mode", "tp", "collector.send_mode must be one of auto, fentry"),
         ("collector.pid", -3, "collector.pid must be >= 0"),
         ("collector.max_sockets", 0, "collector.max_sockets must be 1..268435456 (the kernel"),
         ("collector.max_sockets", 2**28 + 1, "the kernel's limit for a BPF hash map"),
@@ -202,7 +218,7 @@ def test_choices_match_what_the_collector_accepts() -> None:
     assert "collector.backend must be one of " + ", ".join(BACKENDS) in error_of(
         flags={"collector.backend": "x"}
     )
-    assert ", ".join(("auto", *SEND_MODES)) in error_of(flags={"collector.send_hook": "x"})
+    assert ", ".join(("auto", *SEND_MODES)) in error_of(flags={"collector.send_mode": "x"})
 
 
 def test_the_documented_example_is_the_defaults_and_every_variable_is_documented(
@@ -215,4 +231,5 @@ def test_the_documented_example_is_the_defaults_and_every_variable_is_documented
     documented = set(re.findall(r"`(KVWATCH_[A-Z_]+)`", text))
     wanted = {env_name(key) for key in config_keys()}
     assert wanted <= documented
-    assert documented - wanted == {"KVWATCH_ENGINE_SOCKET", "KVWATCH_REQUIRE_BPF"}
+    renamed = {env_name(old) for old in RENAMED_KEYS}  # documented as the old names
+    assert documented - wanted == {"KVWATCH_ENGINE_SOCKET", "KVWATCH_REQUIRE_BPF", *renamed}

@@ -94,7 +94,7 @@ def build_app(state: AgentState, registry: CollectorRegistry) -> Starlette:
                 "mode": state.mode,
                 "backend": opened.backend if opened else None,
                 "collector": opened.note if opened else None,
-                "hooks": bpf.report.hooks if bpf is not None else {},
+                "attach_points": bpf.report.points if bpf is not None else {},
                 "engines": state.hooks.engines(),
                 "uptime_seconds": round((time.monotonic_ns() - state.started_ns) / 1e9, 1),
                 "gpu": state.gpus.available,

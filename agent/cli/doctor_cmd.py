@@ -39,12 +39,12 @@ STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "d
     help="The engine-hook socket to inspect (the agent's --hook-socket).",
 )
 def command(as_json: bool, procfs_root: str, url: str, hook_socket: str) -> None:
-    """Check this node: privileges, BTF, tracefs, libbpf, which mode each BPF hook gets,
+    """Check this node: privileges, BTF, tracefs, libbpf, which mode each BPF attach point gets,
     NVML and GPUs, the backpressure sysctls, the daemon and its socket table (full: what
     --max-sockets would fit), the engine-hook socket and the
     engines connected to it.
 
-    Every hook mode is tried for real (loaded, attached, detached). A failing or warning
+    Every send mode is tried for real (loaded, attached, detached). A failing or warning
     line says how to fix it. No GPU or no daemon is not a failure. Exit code 3 when the node
     cannot run the agent.
     """

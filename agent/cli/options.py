@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from kvwatch.collect.bpf.loader import SEND_MODES, CollectorSettings
 from kvwatch.collect.table import BACKENDS
@@ -14,8 +15,26 @@ from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StatePol
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# Where the hidden --send-hook (the old name of --send-mode) leaves its value for --send-mode.
+_OLD_SEND_FLAG = "kvwatch.send_hook"
+
+
+def _old_send_flag(ctx: click.Context, _: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        click.echo("--send-hook is now --send-mode", err=True)
+        ctx.meta[_OLD_SEND_FLAG] = value
+
+
+def _send_mode(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The value of --send-mode, else of the old --send-hook when only that was given (click
+    processes the options given on the command line before those left to their default)."""
+    given = ctx.get_parameter_source(param.name or "") not in (None, ParameterSource.DEFAULT)
+    old: str | None = ctx.meta.get(_OLD_SEND_FLAG)
+    return value if given or old is None else old
+
+
 def collector_options(with_defaults: bool = True) -> Callable[[F], F]:
-    """--port, --pid, --backend, --send-hook, --max-sockets, --stall-seconds,
+    """--port, --pid, --backend, --send-mode, --max-sockets, --stall-seconds,
     --min-reader-rate, --path.procfs.
 
     Without defaults (`kvwatch run`), an option the user did not give is None, so values from
@@ -49,10 +68,19 @@ def collector_options(with_defaults: bool = True) -> Callable[[F], F]:
             "when BCC and headers are installed, else diag, saying why.",
         ),
         click.option(
-            "--send-hook",
+            "--send-mode",
             type=click.Choice(("auto", *SEND_MODES)),
             **default("auto"),
-            help="Force the tcp_sendmsg hook mode (auto picks the best that attaches).",
+            callback=_send_mode,
+            help="Force the tcp_sendmsg attach mode (auto picks the best that attaches).",
+        ),
+        click.option(
+            "--send-hook",
+            type=click.Choice(("auto", *SEND_MODES)),
+            default=None,
+            expose_value=False,
+            hidden=True,
+            callback=_old_send_flag,
         ),
         click.option(
             "--max-sockets",
@@ -94,10 +122,10 @@ def collector_options(with_defaults: bool = True) -> Callable[[F], F]:
 
 
 def collector_settings(
-    ports: tuple[int, ...], pid: int | None, send_hook: str, max_sockets: int
+    ports: tuple[int, ...], pid: int | None, send_mode: str, max_sockets: int
 ) -> CollectorSettings:
     return CollectorSettings(
-        ports=tuple(ports), pid=pid or 0, max_sockets=max_sockets, send_mode=send_hook
+        ports=tuple(ports), pid=pid or 0, max_sockets=max_sockets, send_mode=send_mode
     )
 
 
@@ -106,7 +134,7 @@ def state_policy(stall_seconds: float, min_reader_rate: int) -> StatePolicy:
 
 
 def announce_collector(note: str) -> None:
-    """The collector's one-line account of itself (which backend, why, which hooks), on
+    """The collector's one-line account of itself (which backend, why, which attach points), on
     stderr, never wrapped: scripts and logs read it as one line."""
     click.secho(note, err=True, dim=True)
 

@@ -63,7 +63,7 @@ def command(
     ports: tuple[int, ...],
     pid: int | None,
     backend: str,
-    send_hook: str,
+    send_mode: str,
     max_sockets: int,
     stall_seconds: float,
     min_reader_rate: int,
@@ -96,7 +96,7 @@ def command(
         None if standalone else AgentRows.reached(url, ports, pid)
     )
     if source is None:
-        settings = collector_settings(ports, pid, send_hook, max_sockets)
+        settings = collector_settings(ports, pid, send_mode, max_sockets)
         policy = state_policy(stall_seconds, min_reader_rate)
         source = KernelRows(open_collector(settings, backend, procfs_root), policy)
         time.sleep(settle)

@@ -32,7 +32,7 @@ from kvwatch.top.sources import DaemonSource, FrameSource, StandaloneSource
     "--standalone",
     is_flag=True,
     help="Load the socket collector in this process instead (no daemon needed; no engine "
-    "join, so no request IDs or KV). --backend, --send-hook, --max-sockets and "
+    "join, so no request IDs or KV). --backend, --send-mode, --max-sockets and "
     "--stall-seconds apply only here.",
 )
 @collector_options()
@@ -61,7 +61,7 @@ def command(
     ports: tuple[int, ...],
     pid: int | None,
     backend: str,
-    send_hook: str,
+    send_mode: str,
     max_sockets: int,
     stall_seconds: float,
     min_reader_rate: int,
@@ -76,7 +76,7 @@ def command(
 
     \b
     Header: HBM used/total per GPU, KV held by stalled streams, cancels per minute, the
-    mode each BPF hook attached with, and the policy mode (observe/enforce).
+    mode each BPF attach point attached with, and the policy mode (observe/enforce).
     Rows: PID/COMM, CONNECTION (:local port→remote), REQUEST, STATE, FILL (send queue
     % of the send buffer), RWND (peer window), ZW (current zero-window time),
     NSENT/UNACK (bytes not sent / sent, unacknowledged), SRTT, KV (blocks/size), AGE.
@@ -101,7 +101,7 @@ def command(
     console = Console()
     source: FrameSource
     if standalone:
-        settings = collector_settings(ports, pid, send_hook, max_sockets)
+        settings = collector_settings(ports, pid, send_mode, max_sockets)
         standalone_source = StandaloneSource(
             settings, backend, procfs_root, state_policy(stall_seconds, min_reader_rate)
         )

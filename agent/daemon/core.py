@@ -50,7 +50,7 @@ def collector_settings(config: AgentConfig) -> CollectorSettings:
         ports=collector.ports,
         pid=collector.pid,
         max_sockets=collector.max_sockets,
-        send_mode=collector.send_hook,
+        send_mode=collector.send_mode,
     )
 
 

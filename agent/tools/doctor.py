@@ -150,11 +150,11 @@ def check_send_modes() -> list[Check]:
         try:
             programs = BpfPrograms(CollectorSettings(send_mode=mode, max_sockets=64))
         except KvwatchError as exc:
-            checks.append(Check(f"send hook: {mode}", "info", exc.message))
+            checks.append(Check(f"send attach point: {mode}", "info", exc.message))
             continue
         checks.append(
             Check(
-                f"send hook: {mode}",
+                f"send attach point: {mode}",
                 "ok",
                 "loads and attaches on "
                 + ("tcp_sendmsg" if mode in ("fentry", "kprobe") else "sock:sock_send_length"),
@@ -167,7 +167,7 @@ def check_send_modes() -> list[Check]:
     if best is None:
         checks.append(
             Check(
-                "send hook",
+                "send attach point",
                 "fail",
                 "no mode attaches on this kernel",
                 "see the lines above; --backend diag still works without BPF",
@@ -175,13 +175,15 @@ def check_send_modes() -> list[Check]:
         )
         return checks
     with best:
-        checks.append(Check("send hook (auto)", "ok", f"auto picks {best.report.send_mode}"))
-        for hook, mode in best.report.hooks.items():
-            if hook == "send":
+        checks.append(
+            Check("send attach point (auto)", "ok", f"auto picks {best.report.send_mode}")
+        )
+        for point, mode in best.report.points.items():
+            if point == "send":
                 continue
             status: Status = "ok" if mode != "unavailable" else "info"
             note = "" if mode != "unavailable" else " (needs fentry or kprobe; probes uncounted)"
-            checks.append(Check(f"{hook} hook", status, f"{mode}{note}"))
+            checks.append(Check(f"{point} attach point", status, f"{mode}{note}"))
     return checks
 
 

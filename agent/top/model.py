@@ -39,7 +39,7 @@ class Header:
 
     source: str
     mode: str
-    hooks: dict[str, str]
+    attach_points: dict[str, str]
     gpus: tuple[GpuMemory, ...] | None
     stalled_kv_bytes: int | None
     cancels_per_minute: float | None

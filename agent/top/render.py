@@ -20,7 +20,7 @@ from kvwatch.tools.tables import ESTIMATE_MARK, STATE_STYLES, human_bytes
 from kvwatch.top.model import Frame, Header, Row, RowFilter, fill_fraction
 
 COLUMN_GAP = 1
-HOOK_ABBREVIATIONS = {"zero_window_probe": "zw_probe"}
+POINT_ABBREVIATIONS = {"zero_window_probe": "zw_probe"}
 STYLE_OF_STATE = {state.value: style for state, style in STATE_STYLES.items()}
 
 
@@ -158,9 +158,9 @@ def header_lines(header: Header, rows: list[Row], shown: int) -> list[Text]:
     stalled = sum(1 for row in rows if row.get("state") == StreamState.STALLED.value)
     kv = header.stalled_kv_bytes
     cancels = header.cancels_per_minute
-    hooks = " ".join(
-        f"{HOOK_ABBREVIATIONS.get(hook, hook)}={'none' if mode == 'unavailable' else mode}"
-        for hook, mode in header.hooks.items()
+    points = " ".join(
+        f"{POINT_ABBREVIATIONS.get(point, point)}={'none' if mode == 'unavailable' else mode}"
+        for point, mode in header.attach_points.items()
     )
     lines = [
         Text.assemble(("kvwatch top", "bold"), f" · {header.source} · mode {header.mode}"),
@@ -171,7 +171,7 @@ def header_lines(header: Header, rows: list[Row], shown: int) -> list[Text]:
             f"cancels/min {'-' if cancels is None else f'{cancels:.1f}'}",
         ),
         Text(_gpu_text(header)),
-        Text(f"hooks {hooks or 'none (sock_diag polling)'}"),
+        Text(f"attach points {points or 'none (sock_diag polling)'}"),
     ]
     if header.error:
         lines.append(Text(header.error, style="bold red"))

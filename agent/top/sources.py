@@ -63,7 +63,7 @@ class DaemonSource:
         header = Header(
             source=f"daemon {self.url.removeprefix('http://')}",
             mode=mode,
-            hooks=dict(health.get("hooks") or {}),
+            attach_points=dict(health.get("attach_points") or {}),
             gpus=metrics.gpus,
             stalled_kv_bytes=stalled_kv_bytes(rows),
             cancels_per_minute=self.cancel_rate.update(metrics.cancels_total, uptime),
@@ -112,11 +112,11 @@ class StandaloneSource:
             )
             rows.append(row)
         collector = self.opened.collector
-        hooks = collector.report.hooks if isinstance(collector, MergedCollector) else {}
+        points = collector.report.points if isinstance(collector, MergedCollector) else {}
         header = Header(
             source=f"standalone ({self.opened.backend})",
             mode="observe (standalone: nothing acts)",
-            hooks=hooks,
+            attach_points=points,
             gpus=self._gpu_memory(),
             stalled_kv_bytes=stalled_kv_bytes(rows),
             cancels_per_minute=None,

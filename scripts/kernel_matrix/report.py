@@ -1,9 +1,10 @@
-"""The compatibility table (docs/kernel-matrix.md): kernel x hook x mode -> pass/FAIL/unavailable.
+"""The compatibility table (docs/kernel-matrix.md): kernel x attach point x mode -> pass, FAIL
+or unavailable.
 
-A cell is `unavailable` when the kernel refuses a minimal program in that mode on that hook's
-target (tests/kernel/kernel_offers.py) — its reason is listed under the table; `pass` when
-every test that checks the hook (its `exercises` marker) passed in every mode pair that
-attached the hook in that mode; `FAIL` when one failed, naming the pairs when others passed;
+A cell is `unavailable` when the kernel refuses a minimal program in that mode on that attach
+point's target (tests/kernel/kernel_offers.py) — its reason is listed under the table; `pass` when
+every test that checks the attach point (its `exercises` marker) passed in every mode pair that
+attached it in that mode; `FAIL` when one failed, naming the pairs when others passed;
 `not run` when the kernel offers the mode but no pair used it (or the row never ran).
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 from scripts.kernel_matrix.matrix import RowResult
 
 MODES = ("fentry", "kprobe", "tp_btf", "raw_tp")
-HOOKS = {
+POINTS = {
     "send": "send (`tcp_sendmsg` / `sock:sock_send_length`)",
     "ack": "ACK (`tcp:tcp_probe`)",
     "lifecycle": "lifecycle (`sock:inet_sock_set_state`)",
@@ -24,11 +25,11 @@ HOOKS = {
 }
 SCENARIOS = (
     "- the forced modes attach as asked, and the records live where those modes put them:",
-    "  socket-local storage when every hook is BTF-typed (fentry or tp_btf send, tp_btf",
-    "  tracepoints), else the LRU hash;",
+    "  socket-local storage when every attach point is BTF-typed (fentry or tp_btf send,",
+    "  tp_btf tracepoints), else the LRU hash;",
     "- a stalled client is found while a slow-but-draining reader and an idle connection never",
-    "  are; the writer's pid is recorded (send hook), zero-window probes are counted where that",
-    "  hook attaches, and the peer window equals the kernel's own (tcp_info);",
+    "  are; the writer's pid is recorded (send attach point), zero-window probes are counted",
+    "  where their attach point attaches, and the peer window equals the kernel's own (tcp_info);",
     "- reading again ends the zero-window episode (window reopening);",
     "- close removes the record with a close event;",
     "- segments dropped at the receiver (a socket filter) are counted as retransmissions;",
@@ -59,16 +60,16 @@ HOW_IT_RUNS = (
 )
 
 
-def cell(results: dict[str, Any], hook: str, mode: str) -> str:
-    offered = results["offers"][hook]
+def cell(results: dict[str, Any], point: str, mode: str) -> str:
+    offered = results["offers"][point]
     if mode not in offered:
         return "\u2014"
     if offered[mode]:
         return "unavailable"
     pairs = [
-        c["id"] for c in results["combos"] if c["hooks"][hook] == mode and not c["unavailable"]
+        c["id"] for c in results["combos"] if c["points"][point] == mode and not c["unavailable"]
     ]
-    outcomes = {pair: _outcomes(results, pair, hook) for pair in pairs}
+    outcomes = {pair: _outcomes(results, pair, point) for pair in pairs}
     failing = [pair for pair in pairs if "failed" in outcomes[pair]]
     passing = [pair for pair in pairs if outcomes[pair] == {"passed"}]
     if failing:
@@ -76,12 +77,12 @@ def cell(results: dict[str, Any], hook: str, mode: str) -> str:
     return "pass" if passing else "not run"
 
 
-def _outcomes(results: dict[str, Any], pair: str, hook: str) -> set[str]:
-    """Outcomes of the pair's tests that check `hook` (unmarked tests check every hook)."""
+def _outcomes(results: dict[str, Any], pair: str, point: str) -> set[str]:
+    """Outcomes of the pair's tests that check `point` (unmarked tests check every attach point)."""
     return {
         test["outcome"]
         for test in results["tests"]
-        if test["combo"] == pair and (test["hooks"] is None or hook in test["hooks"])
+        if test["combo"] == pair and (test["points"] is None or point in test["points"])
     }
 
 
@@ -90,11 +91,11 @@ def _row_name(row: RowResult) -> str:
 
 
 def table(rows: list[RowResult]) -> list[str]:
-    lines = [f"| kernel | hook | {' | '.join(MODES)} |", "|---|---|" + "---|" * len(MODES)]
+    lines = [f"| kernel | attach point | {' | '.join(MODES)} |", "|---|---|" + "---|" * len(MODES)]
     for row in rows:
-        for index, (hook, label) in enumerate(HOOKS.items()):
+        for index, (point, label) in enumerate(POINTS.items()):
             cells = (
-                [cell(row.results, hook, mode) for mode in MODES]
+                [cell(row.results, point, mode) for mode in MODES]
                 if row.results
                 else ["not run"] * len(MODES)
             )
@@ -145,9 +146,9 @@ def bcc(rows: list[RowResult]) -> list[str]:
         for test in tests.values():
             properties.update(test["properties"])
         detail = (
-            f"compared with CO-RE: {properties['bcc_hooks']}; BCC's start (compile, load, "
+            f"compared with CO-RE: {properties['bcc_points']}; BCC's start (compile, load, "
             f"attach) took {properties['bcc_start_seconds']} s here"
-            if "bcc_hooks" in properties
+            if "bcc_points" in properties
             else f"BCC refused as it should: {properties.get('bcc', 'not recorded')}"
         )
         lines.append(f"- {_row_name(row)}: {verdict} ({len(ran)} tests) — {detail}")

@@ -31,9 +31,16 @@ def test_bcc_without_headers_exits_3_and_says_what_to_install() -> None:
 
 
 def test_bcc_refuses_modes_that_need_btf() -> None:
+    result = kvwatch("sockets", "--backend", "bcc", "--send-mode", "fentry")
+    assert result.returncode == 2, result.stderr
+    assert "the BCC backend has no fentry send mode (it needs BTF)" in result.stderr
+
+
+def test_the_old_send_hook_flag_still_sets_the_send_mode_and_says_its_new_name() -> None:
     result = kvwatch("sockets", "--backend", "bcc", "--send-hook", "fentry")
     assert result.returncode == 2, result.stderr
-    assert "the BCC backend has no fentry send hook (it needs BTF)" in result.stderr
+    assert "--send-hook is now --send-mode" in result.stderr
+    assert "the BCC backend has no fentry send mode (it needs BTF)" in result.stderr
 
 
 def test_doctor_reports_bcc_as_not_needed_here() -> None:

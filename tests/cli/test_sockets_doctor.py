@@ -113,11 +113,11 @@ def test_doctor_reports_this_kernels_modes_truthfully() -> None:
     report = json.loads(result.stdout)
     checks = {c["name"]: c for c in report["checks"]}
     assert report["ok"] is True
-    assert checks["send hook: raw_tp"]["status"] == "ok"
-    auto = checks["send hook (auto)"]["detail"]
-    best = next(m for m in SEND_MODES if checks[f"send hook: {m}"]["status"] == "ok")
+    assert checks["send attach point: raw_tp"]["status"] == "ok"
+    auto = checks["send attach point (auto)"]["detail"]
+    best = next(m for m in SEND_MODES if checks[f"send attach point: {m}"]["status"] == "ok")
     assert auto == f"auto picks {best}"
-    assert checks["ack hook"]["detail"] == tracepoint_mode_for_kernel() == "tp_btf"
+    assert checks["ack attach point"]["detail"] == tracepoint_mode_for_kernel() == "tp_btf"
 
 
 def test_doctor_without_privileges_exits_3_with_a_fix() -> None:

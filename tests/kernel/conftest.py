@@ -45,7 +45,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "exercises(*hooks): the hooks whose behaviour a matrix test checks (default all)"
+        "markers",
+        "exercises(*points): the attach points whose behaviour a matrix test checks (default all)",
     )
     path = config.getoption(RESULTS_OPTION)
     if path:
@@ -82,7 +83,7 @@ class MatrixResults:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.combos: dict[str, Combo] = {}
-        self.hooks: dict[str, list[str] | None] = {}
+        self.points: dict[str, list[str] | None] = {}
         self.tests: dict[str, dict[str, Any]] = {}
         self.started = time.monotonic()
 
@@ -93,7 +94,7 @@ class MatrixResults:
             if isinstance(combo, Combo):
                 self.combos[item.nodeid] = combo
             marker = item.get_closest_marker("exercises")
-            self.hooks[item.nodeid] = list(marker.args) if marker else None
+            self.points[item.nodeid] = list(marker.args) if marker else None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         combo = self.combos.get(report.nodeid)
@@ -103,7 +104,7 @@ class MatrixResults:
                 "module": report.nodeid.split("::")[0],
                 "name": report.nodeid.split("::")[-1].split("[")[0],
                 "combo": combo.id if combo else None,
-                "hooks": self.hooks.get(report.nodeid),
+                "points": self.points.get(report.nodeid),
                 "outcome": "passed",
                 "message": "",
                 "duration_seconds": 0.0,
@@ -124,7 +125,7 @@ class MatrixResults:
             "session_seconds": time.monotonic() - self.started,
             "offers": offers,
             "combos": [
-                {**asdict(combo), "id": combo.id, "hooks": combo.hook_modes(offers)}
+                {**asdict(combo), "id": combo.id, "points": combo.point_modes(offers)}
                 for combo in combos.values()
             ],
             "tests": list(self.tests.values()),

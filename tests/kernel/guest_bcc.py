@@ -83,9 +83,9 @@ def sample_fields(sample: SocketSample) -> dict[str, Any]:
 
 
 def agreeing_records(pair: Pair, key: int) -> tuple[KvSockRecord, KvSockRecord]:
-    """Both records of socket `key`, read while no hook touched it (CO-RE's record is read
+    """Both records of socket `key`, read while no program touched it (CO-RE's record is read
     before and after BCC's and must not have changed); fails with the fields that still
-    disagree after SETTLE_SECONDS. The two builds' programs on one hook run one after the
+    disagree after SETTLE_SECONDS. The two builds' programs on one attach point run one after the
     other, and an ACK on another CPU can land between them: a window that closes for a
     fraction of a millisecond can be one episode in one record and none in the other, so
     episode counts may differ by one over a whole scenario (seen once in Debian 6.1's row:
@@ -155,13 +155,15 @@ def test_bcc_refuses_without_headers_and_says_what_to_install() -> None:
 def test_bcc_attaches_without_btf_only_modes(
     pair: Pair, record_property: Callable[[str, object], None]
 ) -> None:
-    hooks = pair.bcc.report.hooks
-    assert pair.core.report.hooks == hooks, "CO-RE runs in BCC's modes for the comparison"
-    record_property("bcc_hooks", pair.bcc.report.describe())
+    points = pair.bcc.report.points
+    assert pair.core.report.points == points, "CO-RE runs in BCC's modes for the comparison"
+    record_property("bcc_points", pair.bcc.report.describe())
     record_property("bcc_start_seconds", round(pair.bcc_start_seconds, 1))
-    assert hooks["send"] in BCC_SEND_MODES
-    assert {hooks[hook] for hook in ("ack", "lifecycle", "retransmit")} == {"raw_tp"}
-    assert hooks["zero_window_probe"] == ("kprobe" if hooks["send"] == "kprobe" else "unavailable")
+    assert points["send"] in BCC_SEND_MODES
+    assert {points[point] for point in ("ack", "lifecycle", "retransmit")} == {"raw_tp"}
+    assert points["zero_window_probe"] == (
+        "kprobe" if points["send"] == "kprobe" else "unavailable"
+    )
 
 
 @with_headers

@@ -116,8 +116,8 @@ def first_event(events: EventLog, kind: str, peer: Endpoint) -> SocketEvent | No
     return next((e for e in events.drain() if e.kind == kind and e.sample.remote == peer), None)
 
 
-def test_hooks_attach_in_the_forced_modes(watched: Watched, combo: Combo, offers: Offers) -> None:
-    assert watched.collector.report.hooks == combo.hook_modes(offers)
+def test_points_attach_in_the_forced_modes(watched: Watched, combo: Combo, offers: Offers) -> None:
+    assert watched.collector.report.points == combo.point_modes(offers)
     typed = combo.send in BTF_SEND_MODES and combo.tracepoint == "tp_btf"
     assert watched.collector.report.storage == ("sk_storage" if typed else "lru_hash")
 
@@ -144,14 +144,14 @@ def test_stalled_client_is_found_but_not_a_slow_or_an_idle_one(
     idle = server_side(collector, clients["idle"])
     assert stalled is not None and idle is not None
     assert StreamState.STALLED in seen["stalled"], seen
-    assert stalled.pid == os.getpid() and stalled.comm, "the send hook names the writer"
+    assert stalled.pid == os.getpid() and stalled.comm, "the send attach point names the writer"
     assert stalled.pending_bytes > 0 and stalled.zero_window_episodes == 1
     assert StreamState.STALLED not in seen["slow"], seen
     assert clients["slow"].bytes_read > 0 and slow_zero_windows > 0
     assert StreamState.STALLED not in seen["idle"], seen
     assert idle.pending_bytes == 0
     assert idle.peer_rwnd == kernels_peer_window(scenario, clients["idle"]), "scaled as the kernel"
-    probes_counted = watched.collector.report.hooks["zero_window_probe"] != "unavailable"
+    probes_counted = watched.collector.report.points["zero_window_probe"] != "unavailable"
     assert (stalled.zero_window_probes > 0) == probes_counted, stalled.zero_window_probes
     for client in clients.values():
         client.close()
@@ -260,6 +260,6 @@ def test_auto_picks_the_best_mode_the_kernel_offers(
     record_property("auto", report.describe())
     best = best_send_mode(offers)
     assert report.send_mode == best
-    assert report.hooks["ack"] == best_tracepoint_mode(offers)
+    assert report.points["ack"] == best_tracepoint_mode(offers)
     assert best is not None
     assert set(report.rejected) == set(SEND_MODES[: SEND_MODES.index(best)])

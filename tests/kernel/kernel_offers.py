@@ -1,6 +1,7 @@
-"""What the running kernel offers each of kvwatch's hooks, found without kvwatch's own object.
+"""What the running kernel offers each of kvwatch's attach points, found without kvwatch's own
+object.
 
-For every hook and attach mode a minimal program (`r0 = 0; exit`) is loaded through the raw
+For every attach point and mode a minimal program (`r0 = 0; exit`) is loaded through the raw
 bpf(2) syscall and attached to the same kernel function or tracepoint kvwatch uses. If the
 kernel refuses that, the mode is unavailable on this kernel, whatever kvwatch's programs do;
 if it accepts it, kvwatch's own programs must load there too, so a refusal of them is a bug
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvwatch.collect.bpf.libbpf import BTF_KIND_TYPEDEF, libbpf, os_error_text
-from kvwatch.collect.bpf.loader import SEND_TRACEPOINT, TRACEPOINT_HOOKS
+from kvwatch.collect.bpf.loader import SEND_TRACEPOINT, TRACEPOINT_ATTACH_POINTS
 
 SYS_BPF = 321
 SYS_PERF_EVENT_OPEN = 298
@@ -43,10 +44,10 @@ SEND_FUNCTION = "tcp_sendmsg"
 PROBE0_FUNCTION = "tcp_send_probe0"
 FUNCTION_MODES = ("fentry", "kprobe")
 TRACEPOINT_MODES = ("tp_btf", "raw_tp")
-# hook -> (kernel function or None, tracepoint or None)
-HOOK_TARGETS: dict[str, tuple[str | None, str | None]] = {
+# attach point -> (kernel function or None, tracepoint or None)
+POINT_TARGETS: dict[str, tuple[str | None, str | None]] = {
     "send": (SEND_FUNCTION, SEND_TRACEPOINT),
-    **{hook: (None, tracepoint) for hook, (tracepoint, _) in TRACEPOINT_HOOKS.items()},
+    **{point: (None, tracepoint) for point, (tracepoint, _) in TRACEPOINT_ATTACH_POINTS.items()},
     "zero_window_probe": (PROBE0_FUNCTION, None),
 }
 
@@ -219,13 +220,13 @@ def refusal(mode: str, target: str) -> str | None:
 
 
 def kernel_offers() -> dict[str, dict[str, str | None]]:
-    """hook -> mode -> None (the kernel accepts the mode) or the reason it does not."""
+    """attach point -> mode -> None (the kernel accepts the mode) or the reason it does not."""
     offers: dict[str, dict[str, str | None]] = {}
-    for hook, (function, tracepoint) in HOOK_TARGETS.items():
+    for point, (function, tracepoint) in POINT_TARGETS.items():
         modes: dict[str, str | None] = {}
         if function:
             modes.update({mode: refusal(mode, function) for mode in FUNCTION_MODES})
         if tracepoint:
             modes.update({mode: refusal(mode, tracepoint) for mode in TRACEPOINT_MODES})
-        offers[hook] = modes
+        offers[point] = modes
     return offers

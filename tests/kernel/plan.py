@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwatch.collect.bpf.loader import SEND_MODES, TRACEPOINT_HOOKS, TRACEPOINT_MODES
+from kvwatch.collect.bpf.loader import SEND_MODES, TRACEPOINT_ATTACH_POINTS, TRACEPOINT_MODES
 
 FLAVOUR_PARTNER = {"fentry": "tp_btf", "kprobe": "raw_tp", "tp_btf": "tp_btf", "raw_tp": "raw_tp"}
 PROBE0_MODES = ("fentry", "kprobe")
@@ -31,17 +31,17 @@ class Combo:
     def id(self) -> str:
         return f"{self.send}+{self.tracepoint}"
 
-    def hook_modes(self, offers: Offers) -> dict[str, str]:
-        """The mode each hook attaches in under this pair, as the loader reports it."""
-        modes = {"send": self.send, **dict.fromkeys(TRACEPOINT_HOOKS, self.tracepoint)}
+    def point_modes(self, offers: Offers) -> dict[str, str]:
+        """The mode each attach point attaches in under this pair, as the loader reports it."""
+        modes = {"send": self.send, **dict.fromkeys(TRACEPOINT_ATTACH_POINTS, self.tracepoint)}
         probe0_offered = self.send in PROBE0_MODES and not offers["zero_window_probe"][self.send]
         modes["zero_window_probe"] = self.send if probe0_offered else "unavailable"
         return modes
 
 
 def tracepoint_refusal(offers: Offers, mode: str) -> str | None:
-    """Why the kernel cannot attach every tracepoint hook in `mode`, or None."""
-    reasons = [offers[hook][mode] for hook in TRACEPOINT_HOOKS if offers[hook][mode]]
+    """Why the kernel cannot attach every tracepoint attach point in `mode`, or None."""
+    reasons = [offers[point][mode] for point in TRACEPOINT_ATTACH_POINTS if offers[point][mode]]
     return reasons[0] if reasons else None
 
 
@@ -50,7 +50,7 @@ def best_send_mode(offers: Offers) -> str | None:
 
 
 def best_tracepoint_mode(offers: Offers) -> str:
-    """What the loader's `auto` should pick: tp_btf when every tracepoint hook takes it."""
+    """What the loader's `auto` should pick: tp_btf when every tracepoint attach point takes it."""
     return "tp_btf" if tracepoint_refusal(offers, "tp_btf") is None else "raw_tp"
 
 

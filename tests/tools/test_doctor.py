@@ -38,8 +38,8 @@ def test_doctor_on_this_node_without_a_daemon(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     code, checks = checks_of("--url", url, "--hook-socket", str(tmp_path / "engine.sock"))
     assert code == 0  # no daemon, no GPU: nothing that stops the agent from running
-    assert checks["send hook: raw_tp"]["status"] == "ok"
-    assert checks["ack hook"]["detail"] == tracepoint_mode_for_kernel()
+    assert checks["send attach point: raw_tp"]["status"] == "ok"
+    assert checks["ack attach point"]["detail"] == tracepoint_mode_for_kernel()
     daemon = checks["daemon"]
     assert daemon["status"] == "warn"
     assert url in daemon["detail"]

@@ -36,7 +36,7 @@ def test_top_on_a_terminal_shows_the_stalled_stream_and_obeys_keys(
     assert "0B" in row.split()  # the peer window is shut
     assert "mode observe" in screen
     assert "stalled 1 holding KV" in screen
-    assert "hooks send=" in screen
+    assert "attach points send=" in screen
     assert KEYS_HELP in screen
     assert all(len(line) <= 80 for line in screen.splitlines())
     styled = row_line(terminal.screen(with_styles=True), STALLED_REQUEST)
@@ -103,7 +103,7 @@ def test_top_standalone_once_finds_a_loopback_stall() -> None:
         )
         try:
             assert top.stderr is not None
-            assert "BPF hooks attached" in top.stderr.readline()  # the collector is ready
+            assert "BPF attach points" in top.stderr.readline()  # the collector is ready
             stalled = scenario.connect("stalled")
             healthy = scenario.connect("healthy")
             out, _ = top.communicate(timeout=30)

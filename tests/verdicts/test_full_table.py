@@ -1,7 +1,7 @@
 """A socket table too small for the node is loud and still safe: the agent says so (log,
 /healthz, metric, with the size that would fit) and a sock_diag sweep still finds the stall
 the table has no room for. Only the LRU hash has a size (socket-local storage, where every
-hook is BTF-typed, grows with the sockets): the send hook is forced to the raw tracepoint,
+attach point is BTF-typed, grows with the sockets): the send mode is forced to the raw tracepoint,
 which keeps records in the hash, as on kernels without BTF-typed programs."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_a_stall_is_found_when_the_table_has_no_room(
     labs: Callable[[Link], Lab], agent: Agent
 ) -> None:
     lab = labs(Link())
-    agent.start("--max-sockets", str(TABLE_SIZE), "--send-hook", "raw_tp")
+    agent.start("--max-sockets", str(TABLE_SIZE), "--send-mode", "raw_tp")
     busy = []
     for _ in range(BUSY_STREAMS):
         sock = lab.net.client_socket()

@@ -7,8 +7,8 @@ the same maps with the same records and events; `BccPrograms` hands their file d
 `BpfCollector`, which reads them exactly as it reads the CO-RE maps.
 
 Without BTF there are no fentry or tp_btf programs: the send path is a kprobe on
-tcp_sendmsg, else the sock_send_length raw tracepoint (Linux 6.3+); the other hooks are raw
-tracepoints. BCC is a distribution package, not a PyPI one: `import_bcc` finds it in the
+tcp_sendmsg, else the sock_send_length raw tracepoint (Linux 6.3+); the other attach points are
+raw tracepoints. BCC is a distribution package, not a PyPI one: `import_bcc` finds it in the
 system's Python directories when the virtualenv does not have it.
 """
 
@@ -29,7 +29,7 @@ from kvwatch.collect.bpf.libbpf import check_rc, libbpf
 from kvwatch.collect.bpf.loader import (
     PROBE0_PROGRAMS,
     SEND_TRACEPOINT,
-    TRACEPOINT_HOOKS,
+    TRACEPOINT_ATTACH_POINTS,
     AttachReport,
     CollectorSettings,
     send_program,
@@ -180,8 +180,8 @@ def _check_settings(settings: CollectorSettings) -> tuple[str, ...]:
         return BCC_SEND_MODES
     if settings.send_mode not in BCC_SEND_MODES:
         raise ConfigError(
-            f"the BCC backend has no {settings.send_mode} send hook (it needs BTF)",
-            f"use --send-hook {' or '.join(BCC_SEND_MODES)} with --backend bcc, or --backend core",
+            f"the BCC backend has no {settings.send_mode} send mode (it needs BTF)",
+            f"use --send-mode {' or '.join(BCC_SEND_MODES)} with --backend bcc, or --backend core",
         )
     return (settings.send_mode,)
 
@@ -190,7 +190,7 @@ class BccPrograms:
     """kvwatch's programs compiled by BCC, loaded and attached; `close()` detaches them.
 
     Same interface and invariants as `loader.BpfPrograms`: while open, the send, ACK,
-    lifecycle and retransmit hooks are attached and the map fds (owned by BCC) are valid.
+    lifecycle and retransmit attach points are attached and the map fds (owned by BCC) are valid.
     """
 
     def __init__(self, settings: CollectorSettings) -> None:
@@ -244,7 +244,7 @@ class BccPrograms:
             "write kv_settings",
         )
 
-    def _attach_one(self, hook: str, program: str, mode: str, target: str) -> None:
+    def _attach_one(self, point: str, program: str, mode: str, target: str) -> None:
         """Loads `program` (BCC does so on attach) and attaches it to `target`."""
         try:
             if mode == "kprobe":
@@ -253,7 +253,7 @@ class BccPrograms:
                 self._bpf.attach_raw_tracepoint(tp=target.encode(), fn_name=program.encode())
         except Exception as exc:
             raise BpfError(f"attach {program} ({mode} on {target}): {exc}") from exc
-        self.report.hooks[hook] = mode
+        self.report.points[point] = mode
 
     def _attach(self, modes: tuple[str, ...]) -> None:
         for mode in modes:
@@ -266,28 +266,28 @@ class BccPrograms:
         else:
             reasons = "; ".join(f"{m}: {why}" for m, why in self.report.rejected.items())
             raise BpfError(
-                f"no send-path hook could attach with BCC ({reasons})",
+                f"the send attach point could not attach with BCC in any mode ({reasons})",
                 "run `kvwatch doctor` to see what this kernel offers",
             )
         programs = tracepoint_programs(BCC_TRACEPOINT_MODE)
-        for hook, (tracepoint, _) in TRACEPOINT_HOOKS.items():
-            self._attach_one(hook, programs[hook], BCC_TRACEPOINT_MODE, tracepoint)
-        self.report.hooks["zero_window_probe"] = "unavailable"
+        for point, (tracepoint, _) in TRACEPOINT_ATTACH_POINTS.items():
+            self._attach_one(point, programs[point], BCC_TRACEPOINT_MODE, tracepoint)
+        self.report.points["zero_window_probe"] = "unavailable"
         if self.report.send_mode in PROBE0_PROGRAMS:
             try:
                 self._attach_one(
                     "zero_window_probe", PROBE0_PROGRAMS["kprobe"], "kprobe", PROBE0_FUNCTION
                 )
             except BpfError as exc:
-                log.info("zero-window probe hook not attached: %s", exc.message)
+                log.info("zero-window probe attach point not attached: %s", exc.message)
 
     def program_fds(self) -> dict[str, int]:
-        """fd of each attached program, by hook name."""
+        """fd of each attached program, by attach point."""
         names = {"send": send_program(self.report.send_mode)}
         names.update(tracepoint_programs(BCC_TRACEPOINT_MODE))
-        if self.report.hooks.get("zero_window_probe", "unavailable") != "unavailable":
+        if self.report.points.get("zero_window_probe", "unavailable") != "unavailable":
             names["zero_window_probe"] = PROBE0_PROGRAMS["kprobe"]
-        return {hook: int(self._bpf.funcs[name.encode()].fd) for hook, name in names.items()}
+        return {point: int(self._bpf.funcs[name.encode()].fd) for point, name in names.items()}
 
     def close(self) -> None:
         if self._bpf is not None:

@@ -1,17 +1,17 @@
-"""Loads kvwatch's BPF object, chooses the hook modes for this kernel and attaches them.
+"""Loads kvwatch's BPF object, chooses the attach modes for this kernel and attaches them.
 
 The send path has four variants of one handler: fentry (BPF trampolines), kprobe, and the
 `sock:sock_send_length` raw tracepoint, BTF-typed (tp_btf) or plain (raw_tp). `auto` tries
 them in that order; each try opens the object afresh with only that variant autoloaded, so a
-kernel that refuses one never poisons the next. The ACK path, lifecycle and retransmit hooks
-are raw tracepoints: tp_btf where the kernel's BTF describes them (5.5+), else raw_tp.
+kernel that refuses one never poisons the next. The ACK path, lifecycle and retransmit attach
+points are raw tracepoints: tp_btf where the kernel's BTF describes them (5.5+), else raw_tp.
 BTF-typed programs read kernel memory with plain loads, the others through
 bpf_probe_read_kernel (several times slower per field). Zero-window probes are counted only
 where fentry or kprobe attach.
 
-Where every hook is BTF-typed (send fentry or tp_btf, tracepoints tp_btf), the records live in
-socket-local storage (found through the socket, freed with it) and are read through a BPF
-iterator; otherwise in the LRU hash, read in batches. Both hold the same records.
+Where every attach point is BTF-typed (send fentry or tp_btf, tracepoints tp_btf), the records
+live in socket-local storage (found through the socket, freed with it) and are read through a
+BPF iterator; otherwise in the LRU hash, read in batches. Both hold the same records.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ STORAGE_ITERATOR = "kv_dump_sockets"
 TRACEPOINT_MODES = ("tp_btf", "raw_tp")
 SEND_TRACEPOINT = "sock_send_length"
 PROBE0_PROGRAMS = {"fentry": "kv_probe0_fentry", "kprobe": "kv_probe0_kprobe"}
-# hook -> (kernel tracepoint, program name prefix); the mode is appended to the prefix.
-TRACEPOINT_HOOKS = {
+# attach point -> (kernel tracepoint, program name prefix); the mode is appended to the prefix.
+TRACEPOINT_ATTACH_POINTS = {
     "ack": ("tcp_probe", "kv_segment"),
     "lifecycle": ("inet_sock_set_state", "kv_state"),
     "retransmit": ("tcp_retransmit_skb", "kv_retransmit"),
@@ -48,13 +48,14 @@ TRACEPOINT_HOOKS = {
 
 
 def storage_for(requested: str, send_mode: str, tracepoint_mode: str) -> str:
-    """Where records live under these modes: socket-local storage needs every hook BTF-typed."""
+    """Where records live under these modes: socket-local storage needs BTF-typed programs
+    at every attach point."""
     typed = send_mode in BTF_SEND_MODES and tracepoint_mode == "tp_btf"
     if requested == "sk_storage" and not typed:
         raise BpfError(
-            f"socket-local storage needs BTF-typed hooks, not send={send_mode} "
+            f"socket-local storage needs BTF-typed attach points, not send={send_mode} "
             f"tracepoints={tracepoint_mode}",
-            "use --storage auto or lru_hash, or force fentry/tp_btf hooks",
+            "use --storage auto or lru_hash, or force fentry/tp_btf attach points",
         )
     if requested == "auto":
         return "sk_storage" if typed else "lru_hash"
@@ -66,7 +67,7 @@ def send_program(mode: str) -> str:
 
 
 def tracepoint_programs(mode: str) -> dict[str, str]:
-    return {hook: f"{prefix}_{mode}" for hook, (_, prefix) in TRACEPOINT_HOOKS.items()}
+    return {point: f"{prefix}_{mode}" for point, (_, prefix) in TRACEPOINT_ATTACH_POINTS.items()}
 
 
 @functools.cache
@@ -77,7 +78,7 @@ def kernel_btf_tracepoints() -> frozenset[str]:
     if not btf:
         return frozenset()
     try:
-        wanted = [SEND_TRACEPOINT, *(tp for tp, _ in TRACEPOINT_HOOKS.values())]
+        wanted = [SEND_TRACEPOINT, *(tp for tp, _ in TRACEPOINT_ATTACH_POINTS.values())]
         return frozenset(
             name
             for name in wanted
@@ -89,7 +90,11 @@ def kernel_btf_tracepoints() -> frozenset[str]:
 
 def tracepoint_mode_for_kernel() -> str:
     described = kernel_btf_tracepoints()
-    return "tp_btf" if all(tp in described for tp, _ in TRACEPOINT_HOOKS.values()) else "raw_tp"
+    return (
+        "tp_btf"
+        if all(tp in described for tp, _ in TRACEPOINT_ATTACH_POINTS.values())
+        else "raw_tp"
+    )
 
 
 def send_mode_unavailable(mode: str) -> str | None:
@@ -138,7 +143,7 @@ class CollectorSettings:
             raise ConfigError("max_sockets must be at least 1", "fix --max-sockets")
         if self.send_mode not in ("auto", *SEND_MODES):
             raise ConfigError(
-                f"unknown send hook mode {self.send_mode!r}",
+                f"unknown send mode {self.send_mode!r}",
                 f"use one of auto, {', '.join(SEND_MODES)}",
             )
         if self.storage not in ("auto", *STORAGES):
@@ -155,19 +160,19 @@ class CollectorSettings:
 
 @dataclass
 class AttachReport:
-    """Which mode each hook got, and why the better send modes were refused."""
+    """Which mode each attach point got, and why the better send modes were refused."""
 
-    hooks: dict[str, str] = field(default_factory=dict)
+    points: dict[str, str] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
     storage: str = "lru_hash"
 
     @property
     def send_mode(self) -> str:
-        return self.hooks["send"]
+        return self.points["send"]
 
     def describe(self) -> str:
-        parts = [f"{hook}={mode}" for hook, mode in self.hooks.items()]
-        text = "BPF hooks attached: " + ", ".join(parts) + f"; records in {self.storage}"
+        parts = [f"{point}={mode}" for point, mode in self.points.items()]
+        text = "BPF attach points: " + ", ".join(parts) + f"; records in {self.storage}"
         if self.rejected:
             reasons = "; ".join(f"{mode}: {why}" for mode, why in self.rejected.items())
             text += f" (send path fell back: {reasons})"
@@ -196,7 +201,7 @@ class _OpenObject:
             self.lib.bpf_object__open_file(str(path).encode(), None), f"open {path}"
         )
         self.links: list[int] = []
-        self.hooks: dict[str, str] = {}
+        self.points: dict[str, str] = {}
         self.storage = storage_for(settings.storage, send_mode, tracepoint_mode)
         try:
             self._configure(settings, send_mode, tracepoint_mode)
@@ -258,23 +263,23 @@ class _OpenObject:
         )
         ctypes.memmove(data + offset, ctypes.addressof(value), size)
 
-    def _attach(self, hook: str, program: str, mode: str) -> None:
+    def _attach(self, point: str, program: str, mode: str) -> None:
         link = check_ptr(
             self.lib.bpf_program__attach(self.program(program)), f"attach {program} ({mode})"
         )
         self.links.append(link)
-        self.hooks[hook] = mode
+        self.points[point] = mode
 
     def _attach_all(self, send_mode: str, tracepoint_mode: str) -> None:
         self._attach("send", send_program(send_mode), send_mode)
-        for hook, program in tracepoint_programs(tracepoint_mode).items():
-            self._attach(hook, program, tracepoint_mode)
-        self.hooks["zero_window_probe"] = "unavailable"
+        for point, program in tracepoint_programs(tracepoint_mode).items():
+            self._attach(point, program, tracepoint_mode)
+        self.points["zero_window_probe"] = "unavailable"
         if send_mode in PROBE0_PROGRAMS:
             try:
                 self._attach("zero_window_probe", PROBE0_PROGRAMS[send_mode], send_mode)
             except BpfError as exc:
-                log.info("zero-window probe hook not attached: %s", exc.message)
+                log.info("zero-window probe attach point not attached: %s", exc.message)
 
     def detach(self) -> None:
         for link in self.links:
@@ -291,8 +296,8 @@ class _OpenObject:
 class BpfPrograms:
     """kvwatch's programs, loaded and attached; `close()` detaches and frees everything.
 
-    Invariant: while open, the send, ACK, lifecycle and retransmit hooks are attached and the
-    map fds are valid. Owned by one collector; not shared between threads that may close it.
+    Invariant: while open, the send, ACK, lifecycle and retransmit attach points are attached and
+    the map fds are valid. Owned by one collector; not shared between threads that may close it.
     """
 
     def __init__(self, settings: CollectorSettings, path: Path | None = None) -> None:
@@ -300,7 +305,7 @@ class BpfPrograms:
         self.settings = settings
         self.report = AttachReport()
         self._object = self._load(path or object_path(), settings)
-        self.report.hooks = dict(self._object.hooks)
+        self.report.points = dict(self._object.points)
         self.report.storage = self._object.storage
         self.sockets_fd = self._object.map_fd("kv_sockets")
         self.events_fd = self._object.map_fd("kv_events")
@@ -339,34 +344,34 @@ class BpfPrograms:
             raise BpfError(f"not allowed to load BPF programs ({reasons})", privilege_hint())
         if len(modes) == 1:
             raise BpfError(
-                f"send hook {modes[0]} is unavailable: {reasons.split(': ', 1)[1]}",
-                "try --send-hook auto, or see `kvwatch doctor`",
+                f"send mode {modes[0]} is unavailable: {reasons.split(': ', 1)[1]}",
+                "try --send-mode auto, or see `kvwatch doctor`",
             )
         raise BpfError(
-            f"no send-path hook could attach ({reasons})",
+            f"the send attach point could not attach in any mode ({reasons})",
             "run `kvwatch doctor` to see what this kernel offers",
         )
 
     def program_fds(self) -> dict[str, int]:
-        """fd of each attached program, by hook name."""
-        tracepoint_mode = self.report.hooks["ack"]
+        """fd of each attached program, by attach point."""
+        tracepoint_mode = self.report.points["ack"]
         names = {
             "send": send_program(self.report.send_mode),
             **tracepoint_programs(tracepoint_mode),
         }
-        if self.report.hooks.get("zero_window_probe", "unavailable") != "unavailable":
+        if self.report.points.get("zero_window_probe", "unavailable") != "unavailable":
             names["zero_window_probe"] = PROBE0_PROGRAMS[self.report.send_mode]
         return {
-            hook: self._object.lib.bpf_program__fd(self._object.program(program))
-            for hook, program in names.items()
+            point: self._object.lib.bpf_program__fd(self._object.program(program))
+            for point, program in names.items()
         }
 
     def pause(self) -> None:
-        """Detaches every hook; the programs, maps and records stay (benchmarks alternate)."""
+        """Detaches from every attach point; programs, maps and records stay (for benchmarks)."""
         self._object.detach()
 
     def resume(self) -> None:
-        """Attaches the hooks again, in the modes they had."""
+        """Attaches the programs again, in the modes they had."""
         if not self._object.links:
             self._object._attach_all(*self._object.modes)
 

@@ -15,7 +15,7 @@ from kvwatch.harness.scenario import Scenario
 from kvwatch.sockets import SocketSample
 
 T = TypeVar("T")
-# Two programs on a hook run one after the other and read the clock separately; under
+# Two programs on an attach point run one after the other and read the clock separately; under
 # software emulation milliseconds can pass between them.
 CLOCK_TOLERANCE_NS = 200_000_000
 BYTE_FIELDS = {"saddr", "daddr", "comm", "feeder"}

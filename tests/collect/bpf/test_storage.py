@@ -1,6 +1,6 @@
 """Socket-local storage read through the BPF iterator holds the same records as the LRU hash.
 
-Both layouts are attached at once to the same hooks of this kernel (BTF-typed programs, the
+Both layouts are attached at once to the same attach points of this kernel (BTF-typed programs, the
 only ones that can use socket-local storage) and watch the same clients: every field of every
 record, the `sockets --json` rows and the edge events must agree; only the clocks may differ
 by the moment between the two programs' runs.
@@ -38,7 +38,7 @@ POLICY = StatePolicy()
 
 @dataclass
 class Layouts:
-    """One collector per record layout, on the same hooks and port. Owned by the fixture."""
+    """One collector per record layout, on the same attach points and port. Owned by the fixture."""
 
     storage: BpfCollector
     hashed: BpfCollector
@@ -66,7 +66,7 @@ def layouts() -> Iterator[Layouts]:
 
 
 def agreeing(layouts: Layouts) -> dict[int, tuple[bytes, bytes]]:
-    """Every record in both layouts, read while no hook touched them (the storage table is
+    """Every record in both layouts, read while no program touched them (the storage table is
     read before and after the hash and must not have changed); fails with what disagrees."""
     deadline = time.monotonic() + SETTLE_SECONDS
     last = ["no quiet moment to read both tables in"]

@@ -159,14 +159,12 @@ def command(
       kvwatch run --port 8000 --mode enforce --action cancel
       kvwatch run --config /etc/kvwatch/kvwatch.toml
     """
-    logging.basicConfig(
-        level=logging.DEBUG if verbose > 1 else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(RepeatFilter())  # on our handler only, never on one a host process set up
+    logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO, handlers=[handler])
     if verbose < 2:
         logging.getLogger("kvwatch.libbpf").setLevel(logging.WARNING)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(RepeatFilter())
     overrides = {
         "policy.mode": mode,
         "policy.actions": actions or None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -121,16 +122,21 @@ def test_agent_restart_rebuilds_state_and_still_acts(stack: Stack) -> None:
     first.stop()
     stack.start_agent("--mode", "enforce")
     started = time.monotonic()
-    joined, streams = None, []
+
+    def held(entry: dict[str, Any]) -> bool:
+        return str(entry.get("request_id") or "").startswith("cmpl-held-")
+
+    # The stall is older than stall_seconds when the new agent starts, so it may cancel the
+    # request before the first look at its listing: either proves the join was rebuilt.
+    joined, acted, streams = None, [], []
     while time.monotonic() - started < 10:
+        acted = [e for e in stack.audit_entries("outcome") if held(e)]
         streams = httpx.get(f"{stack.agent_url}/api/v1/streams").json()
-        joined = next(
-            (s for s in streams if (s["request_id"] or "").startswith("cmpl-held-")), None
-        )
-        if joined:
+        joined = next((s for s in streams if held(s)), None)
+        if joined or acted:
             break
         time.sleep(0.1)
-    if joined is None:  # what the new agent saw, for a run that fails here
+    if not (joined or acted):  # what the new agent saw, for a run that fails here
         health = httpx.get(f"{stack.agent_url}/healthz").json()
         seen = [(s["local"], s["remote"], s["state"], s["request_id"]) for s in streams]
         raise AssertionError(
@@ -138,10 +144,10 @@ def test_agent_restart_rebuilds_state_and_still_acts(stack: Stack) -> None:
             f"sockets {seen}, stalled client {stalled.getsockname()}"
         )
     assert time.monotonic() - started < 2.0, "state rebuilt within 2 s of the agent's start"
-    assert joined["state"] in ("zero_window", "stalled")
+    assert joined is None or joined["state"] in ("zero_window", "stalled")
     deadline = time.monotonic() + STALL_SECONDS + 3
-    while time.monotonic() < deadline and not stack.audit_entries("outcome"):
+    while time.monotonic() < deadline and not acted:
+        acted = [e for e in stack.audit_entries("outcome") if held(e)]
         time.sleep(0.1)
-    outcomes = stack.audit_entries("outcome")
-    assert outcomes and outcomes[0]["result"]["status"] == "cancelled"
+    assert acted and acted[0]["result"]["status"] == "cancelled"
     stalled.close()

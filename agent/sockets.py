@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Source = Literal["bpf", "inet_diag"]
+# Linux TCP states (include/net/tcp_states.h) in which the application has closed its sending
+# side, by close() or shutdown(SHUT_WR): FIN_WAIT1, FIN_WAIT2, TIME_WAIT, CLOSE, LAST_ACK,
+# CLOSING. Nothing writes to such a socket any more; the kernel sends what was queued (and
+# gives up on its own: tcp_orphan_retries, tcp_fin_timeout).
+SENDER_CLOSED_STATES = frozenset({4, 5, 6, 7, 9, 11})
 
 
 def sndbuf_full(wmem_queued: int, sndbuf: int) -> bool:
@@ -128,6 +133,11 @@ class SocketSample:
     def pending_bytes(self) -> int:
         """Bytes the application wrote that the peer has not acknowledged."""
         return self.notsent_bytes + self.unacked_bytes
+
+    @property
+    def sender_closed(self) -> bool:
+        """The application has closed its sending side (`SENDER_CLOSED_STATES`)."""
+        return self.tcp_state in SENDER_CLOSED_STATES
 
     @property
     def zero_window(self) -> bool:

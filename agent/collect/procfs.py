@@ -203,6 +203,12 @@ class SocketOwners:
             }
         return {inode: self._owners[inode] for inode in wanted if inode in self._owners}
 
+    def forget(self, inode: int) -> None:
+        """Drops what is known of `inode`: the next `resolve` of it looks in procfs again
+        (within the scan budget), e.g. after its owner may have closed it."""
+        self._owners.pop(inode, None)
+        self._misses.pop(inode, None)
+
     def _may_rescan(self) -> bool:
         if self._last_scan_ns is None:
             return True

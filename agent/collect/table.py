@@ -26,6 +26,7 @@ from kvwatch.sockets import Endpoint, SocketSample
 # After the kernel's socket table last evicted a record, sock_diag sweeps for the stalls it
 # has no room for, for this long.
 SWEEP_AFTER_EVICTION_SECONDS = 60.0
+CLOSED_INODES_KEPT = 65536
 Backend = Literal["auto", "core", "bcc", "diag"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 BACKEND_TITLES = {"core": "CO-RE", "bcc": "BCC", "diag": "sock_diag polling"}
@@ -141,6 +142,9 @@ class MergedCollector:
         self.bootstrapping = True
         self._swept_until_ns = 0
         self.handover: dict[ConnectionKey, SocketSample] = {}
+        # Inodes of sockets seen with their sender closed, whose owner was looked up again
+        # (bounded: forgotten together once it grows past CLOSED_INODES_KEPT).
+        self._closed_inodes: set[int] = set()
         # The bootstrap snapshot is taken now, at attach time, so a socket that was already
         # stalled is timed from the agent's start, not from its first report.
         self.handover.update((connection_key(s), s) for s in diag.samples())
@@ -192,12 +196,19 @@ class MergedCollector:
         return carry_bootstrap(sample, earlier)
 
     def _with_owner(self, sample: SocketSample) -> SocketSample:
-        """BPF learns the owner at the first send; before that, /proc tells it by inode."""
-        if sample.pid or not sample.inode:  # socket inodes are unique across namespaces
-            return sample
+        """BPF learns the owner at the first send; before that, /proc tells it by inode. A
+        socket whose sender has closed is looked up again: once no process holds it (an
+        orphan, draining after close()), it has no owner, whoever wrote to it last."""
+        if not sample.inode or (sample.pid and not sample.sender_closed):
+            return sample  # socket inodes are unique across namespaces
+        if sample.sender_closed and sample.inode not in self._closed_inodes:
+            if len(self._closed_inodes) >= CLOSED_INODES_KEPT:
+                self._closed_inodes.clear()
+            self._closed_inodes.add(sample.inode)  # its owner's fd may be gone since
+            self.owners.forget(sample.inode)
         pid = self.owners.resolve([sample.inode]).get(sample.inode)
         if pid is None:
-            return sample
+            return sample.with_changes(pid=0, comm="") if sample.sender_closed else sample
         comm = self.owners.procfs.comm(pid) or ""
         return sample.with_changes(pid=pid, comm=comm)
 

@@ -1,4 +1,4 @@
-"""Stream states: the agent's vocabulary, exactly as DESIGN.md defines them.
+"""Stream states: the agent's vocabulary (docs/collector.md).
 
 - healthy: data flows; the ACK point advances.
 - slow: the send queue is mostly full, or the window touched zero recently, but the ACK point
@@ -8,6 +8,9 @@
   buffer full — all of it for at least `stall_seconds`, and, behind a zero window, until the
   kernel has shown that a reader draining `min_reader_bytes_per_second` would have moved by
   now (`judge`). Only this state is ever acted on.
+- closed: the application closed its sending side (close() or shutdown(SHUT_WR)); the kernel
+  drains what was queued. Never stalled: nothing waits on it; an orphan (no process holds it
+  any more) has no request and no KV behind it.
 An idle socket (nothing pending) is never stalled; neither is a slow reader that keeps
 draining, however often its window closes.
 
@@ -86,9 +89,11 @@ def pressure_since_ns(sample: SocketSample) -> int:
 
 
 def stall_since_ns(sample: SocketSample) -> int:
-    """Since when every stall condition has held at once; 0 when one of them does not."""
+    """Since when every stall condition has held at once; 0 when one of them does not. A
+    socket whose sender has closed never stalls: no writer waits on it and no request is
+    behind it (the server finished and closed; the kernel drains the rest)."""
     pressure = pressure_since_ns(sample)
-    if sample.pending_bytes <= 0 or not pressure:
+    if sample.pending_bytes <= 0 or not pressure or sample.sender_closed:
         return 0
     return max(pressure, sample.progress_ns)
 
@@ -213,6 +218,8 @@ def state_of(
     sample: SocketSample, judgement: StallJudgement, now_ns: int, policy: StatePolicy
 ) -> StreamState:
     """The stream state, given the judge's verdict on the same sample."""
+    if sample.sender_closed:
+        return StreamState.CLOSED
     if judgement.stalled:
         return StreamState.STALLED
     if sample.zero_window:

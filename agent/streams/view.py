@@ -25,6 +25,7 @@ def socket_json(
         "remote": str(sample.remote),
         "pid": sample.pid,
         "comm": sample.comm,
+        "orphaned": sample.sender_closed and sample.pid == 0,
         "state": state_of(sample, verdict, now_ns, policy).value,
         "wmem_queued": sample.wmem_queued,
         "sndbuf": sample.sndbuf,

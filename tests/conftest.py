@@ -13,6 +13,7 @@ import pytest
 
 from kvwatch.collect.bpf.loader import DEFAULT_OBJECT
 from kvwatch.tools.doctor import parse_effective_capabilities
+from tests.act.stalled import StalledConnections
 
 REQUIRE_BPF_ENV = "KVWATCH_REQUIRE_BPF"
 
@@ -53,3 +54,11 @@ def socket_dir() -> Iterator[str]:
 def socket_path(socket_dir: str) -> str:
     """A hook socket path of the test's own, never an agent's already on the machine."""
     return f"{socket_dir}/engine.sock"
+
+
+@pytest.fixture
+def stalled_connections() -> Iterator[StalledConnections]:
+    """Real loopback connections whose reader never reads (tests/act/stalled.py)."""
+    connections = StalledConnections()
+    yield connections
+    connections.close()

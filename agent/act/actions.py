@@ -11,13 +11,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvwatch.act.confirm import KernelCheck, check
 from kvwatch.collect.diag.destroy import DestroyResult, destroy_socket
 from kvwatch.collect.diag.snapshot import DiagClient
-from kvwatch.collect.netns import network_namespace_of
+from kvwatch.collect.diag.wire import DiagEntry
+from kvwatch.collect.netns import socket_namespace
 from kvwatch.errors import KvwatchError
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.hookserver.server import HookServer
-from kvwatch.sockets import Endpoint
+from kvwatch.sockets import SocketSample
 from kvwatch.streams.join import StreamView
 
 CANCEL_TIMEOUT_SECONDS = 2.0
@@ -36,28 +38,57 @@ class ActionTally:
     reclaimed_kv_blocks: int = 0
 
 
-def reset_in_namespace(pid: int, local: Endpoint, remote: Endpoint, procfs_root: str) -> str:
-    """Finds the socket's cookie and destroys it, inside `pid`'s network namespace. Blocking:
-    runs on the reset worker thread (netlink sockets are per namespace, setns per thread)."""
-    with network_namespace_of(pid, procfs_root), DiagClient() as client:
-        snapshot = client.snapshot([local.port])
-        cookie = next(
-            (e.cookie for e in snapshot.entries if e.local == local and e.remote == remote), None
-        )
-        if cookie is None:
+def reset_in_namespace(sample: SocketSample, pid: int, procfs_root: str) -> str:
+    """Finds the socket's cookie and destroys it, inside its network namespace (see
+    `socket_namespace`; `pid` owns it). Blocking: runs on the worker thread (netlink sockets
+    are per namespace, setns per thread)."""
+    local, remote = sample.local, sample.remote
+    with socket_namespace(sample.netns, pid, procfs_root), DiagClient() as client:
+        entry = client.find(local, remote)
+        if entry is None:
             return "not_found"
-        result = destroy_socket(local, remote, cookie)
+        result = destroy_socket(local, remote, entry.cookie)
         return "reset" if result is DestroyResult.DESTROYED else "not_found"
 
 
+def look_up_in_namespace(
+    sample: SocketSample, pid: int, procfs_root: str
+) -> tuple[DiagEntry | None, int]:
+    """The kernel's view of one socket, in its network namespace, and when it was taken
+    (CLOCK_MONOTONIC ns). Blocking: runs on the worker thread."""
+    with socket_namespace(sample.netns, pid, procfs_root), DiagClient() as client:
+        observed_ns = time.monotonic_ns()
+        return client.find(sample.local, sample.remote), observed_ns
+
+
 class Actions:
-    """Carries out decisions. Owns one worker thread for resets; used from the event loop."""
+    """Carries out decisions. Owns one worker thread for netlink work in other namespaces
+    (lookups, resets); used from the event loop."""
 
     def __init__(self, hooks: HookServer, procfs_root: str) -> None:
         self.hooks = hooks
         self.procfs_root = procfs_root
         self.tally = ActionTally()
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwatch-reset")
+
+    async def confirm(self, view: StreamView) -> KernelCheck:
+        """Whether the kernel's own view of the socket, now, still makes it stalled
+        (kvwatch.act.confirm); a lookup that fails is no confirmation."""
+        sample = view.sample
+        loop = asyncio.get_running_loop()
+        try:
+            entry, observed_ns = await loop.run_in_executor(
+                self._worker,
+                look_up_in_namespace,
+                sample,
+                view.socket_pid,
+                self.procfs_root,
+            )
+        except KvwatchError as exc:
+            detail = f"the kernel's view of the socket could not be read: {exc}"
+            return KernelCheck(False, "unconfirmed", detail, sample, view.judgement, None)
+        now_ns = time.monotonic_ns()
+        return check(sample, view.judgement, entry, observed_ns, now_ns, view.policy)
 
     async def cancel(
         self, view: StreamView, reason: str, evidence: dict[str, Any]
@@ -88,9 +119,8 @@ class Actions:
             status = await loop.run_in_executor(
                 self._worker,
                 reset_in_namespace,
+                sample,
                 view.socket_pid,
-                sample.local,
-                sample.remote,
                 self.procfs_root,
             )
             detail = ""

@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvwatch.collect.procfs import Procfs
 from kvwatch.errors import KvwatchError, PrivilegeError
 
 CLONE_NEWNET = 0x40000000
@@ -37,6 +38,37 @@ def network_namespace_of(pid: int, procfs_root: str = "/proc") -> Iterator[None]
     if not path.exists():
         raise KvwatchError(f"process {pid} is gone", "nothing to act on")
     with network_namespace(path):
+        yield
+
+
+def _namespace_path(netns: int, pid: int, procfs_root: str) -> Path:
+    """A path to enter the network namespace with inode `netns` by: `pid`'s when it lives
+    there, else that of any process that does."""
+    by_pid = Path(procfs_root, str(pid), "ns", "net")
+    with contextlib.suppress(OSError):
+        if pid > 0 and os.stat(by_pid).st_ino == netns:
+            return by_pid
+    found = Procfs(procfs_root).network_namespaces().get(netns)
+    if found is None:
+        raise KvwatchError(
+            f"no process lives in network namespace {netns} any more", "nothing to act on"
+        )
+    return Path(found)
+
+
+@contextlib.contextmanager
+def socket_namespace(netns: int, pid: int, procfs_root: str = "/proc") -> Iterator[None]:
+    """Runs the body in the network namespace a socket lives in: inode `netns` (the
+    collector's), entered through `pid` (its owner) where it can be; `pid`'s own namespace
+    when `netns` is unknown (0). No switch when it is the agent's own."""
+    if not netns:
+        with network_namespace_of(pid, procfs_root):
+            yield
+        return
+    if os.stat("/proc/thread-self/ns/net").st_ino == netns:
+        yield
+        return
+    with network_namespace(_namespace_path(netns, pid, procfs_root)):
         yield
 
 

@@ -28,6 +28,7 @@ TRANSIENT_REASONS = {
     "below_min_kv",
     "no_action_possible",
     "owner_unknown",
+    "unconfirmed",
 }
 # Action results that changed nothing: the target was already gone, or the action failed.
 # They give their budget unit back.
@@ -35,13 +36,16 @@ TOOK_EFFECT = {"cancelled", "reset"}
 EVENTS_KEPT = 2000
 
 
-def evidence_of(view: StreamView) -> dict[str, Any]:
+def evidence_of(view: StreamView, kernel: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the decision was based on, for the audit log and `explain`: the stream as the
     `streams` contract spells it (the socket, the judge's required time and evidence, the
-    join, whether the KV size is an estimate), and whether the engine's egress buffer for it
-    is full (decoupled egress: the stream's own evidence of a stall)."""
+    join, whether the KV size is an estimate), whether the engine's egress buffer for it
+    is full (decoupled egress: the stream's own evidence of a stall), and `kernel`, what
+    sock_diag said of the socket when a decision to act was checked against it (null when
+    none was)."""
     evidence = view.to_json()
     evidence["egress_buffer_full"] = view.engine.egress_buffer_full if view.engine else None
+    evidence["kernel"] = kernel
     return evidence
 
 
@@ -125,7 +129,10 @@ class Decider:
         engine, relay = self.behind(sample)
         view = self.joiner.view(sample, engine, now_ns, self.state_policy, judgement, relay)
         decision = decide(candidate_of(view, now_ns), self.policy, self.budget, now_ns / 1e9)
-        ref, evidence = self._logged(view, decision, episode)
+        kernel: dict[str, Any] | None = None
+        if decision.acts:
+            view, decision, kernel = await self._confirmed(view, decision)
+        ref, evidence = self._logged(view, decision, episode, kernel)
         if decision.acts:
             self._acted[sample.key] = episode
         if decision.verdict == "act":
@@ -134,8 +141,28 @@ class Decider:
             return RECHECK_SECONDS
         return None
 
+    async def _confirmed(
+        self, view: StreamView, decision: Decision
+    ) -> tuple[StreamView, Decision, dict[str, Any] | None]:
+        """The decision to act, held against the kernel's own view of the socket now
+        (kvwatch.act.confirm): the view it rests on becomes that one; where the kernel does not
+        show a stall, the decision becomes a skip and its budget unit is given back."""
+        confirmed = await self.actions.confirm(view)
+        view = self.joiner.view(
+            confirmed.sample,
+            view.engine,
+            view.now_ns,
+            self.state_policy,
+            confirmed.judgement,
+            view.relay,
+        )
+        if not confirmed.agrees:
+            self.budget.give_back()
+            decision = Decision("skip", (), confirmed.reason, confirmed.detail)
+        return view, decision, confirmed.kernel
+
     def _logged(
-        self, view: StreamView, decision: Decision, episode: int
+        self, view: StreamView, decision: Decision, episode: int, kernel: dict[str, Any] | None
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Counts and logs the decision when it is news for this episode; returns the
         reference that ties its outcome lines to it and the evidence it was logged with
@@ -146,7 +173,7 @@ class Decider:
             return last[1], last[2]
         self.decisions[decision.verdict, decision.reason] += 1
         ref = self._reference(view)
-        entry = self.audit.record(decision, evidence_of(view), ref)
+        entry = self.audit.record(decision, evidence_of(view, kernel), ref)
         self._last[sample.key] = (news, ref, entry["evidence"])
         self._note(
             view,

@@ -23,6 +23,7 @@ from kvwatch.streams.relay import RelayIndex
 from kvwatch.streams.stall_timers import StallTimers
 from kvwatch.streams.states import StallJudgement, judge
 from kvwatch.streams.timeline import Timelines
+from tests.act.stalled import StalledConnections
 from tests.hookserver.conftest import run_async, wait_until
 
 POLICY = PolicyConfig(mode="enforce", actions=("reset",), grace_seconds=0, max_cancels_per_minute=1)
@@ -77,22 +78,32 @@ async def with_decider(socket_path: str, scenario: Callable[[Decider], Awaitable
         await hooks.close()
 
 
-def test_one_decision_per_episode_and_a_vain_action_gives_its_budget_back(
+def test_a_socket_the_kernel_no_longer_has_is_not_acted_on_and_keeps_the_budget(
     socket_path: str,
 ) -> None:
     async def scenario(decider: Decider) -> None:
-        sample = stalled_sample()
+        gone = stalled_sample()  # the record of a connection that does not exist
+        assert await decider.on_stalled(gone, verdict(gone)) is None
+        assert dict(decider.decisions) == {("skip", "socket_gone"): 1}
+        assert not decider.actions.tally.outcomes
+        assert decider.budget.remaining(time.monotonic()) == 1
+
+    run_async(with_decider(socket_path, scenario))
+
+
+def test_one_decision_per_episode(
+    socket_path: str, stalled_connections: StalledConnections
+) -> None:
+    async def scenario(decider: Decider) -> None:
+        sample = stalled_connections.sample(key=7, pid=os.getpid())
         assert await decider.on_stalled(sample, verdict(sample)) is None
         assert await decider.on_stalled(sample, verdict(sample)) is None  # same episode
-        assert decider.decisions["act", "stalled"] == 1
-        assert decider.actions.tally.outcomes["reset", "stalled", "not_found"] == 1
-        assert decider.budget.remaining(time.monotonic()) == 1  # the reset found nothing
-        moved = stalled_sample(bytes_acked=2000)  # progress, then a new stall
-        await decider.on_stalled(moved, verdict(moved))
-        assert decider.decisions["act", "stalled"] == 2
+        assert dict(decider.decisions) == {("act", "stalled"): 1}
+        assert decider.actions.tally.outcomes["reset", "stalled", "reset"] == 1
         outcomes = [e for e in decider.events if e["kind"] == "outcome"]
         decisions = [e for e in decider.events if e["kind"] == "decision"]
         assert [o["decision_id"] for o in outcomes] == [d["decision_id"] for d in decisions]
+        assert decisions[0]["evidence"]["kernel"]["tcp_state"] == "ESTABLISHED"
 
     run_async(with_decider(socket_path, scenario))
 

@@ -1,7 +1,8 @@
 """The decide step (kvwatch.policy.decide.Decider) with its real collaborators: an audit log
 in a file, timelines, a joiner over a procfs (a fixture tree with an engine in a Kubernetes
-pod, or this process) and the fake NVML, and actions over a hook server that is not started
-(no engine is connected, so a cancel finds no one to ask). What a user relies on: observe
+pod, or this process) and the fake NVML, actions over a hook server that is not started
+(no engine is connected, so a cancel finds no one to ask), and real stalled loopback
+connections, which the check before an action looks up in the kernel. What a user relies on: observe
 mode never acts and audits what it would have done, spending the budget as enforce would;
 deny rules hold whatever the mode; a cancel that changed nothing is audited with its outcome
 and gives its budget unit back; and every decision is one audit line, with its evidence,
@@ -33,6 +34,7 @@ from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import RelayLink
 from kvwatch.streams.states import judge
 from kvwatch.streams.timeline import Timelines, connection_id
+from tests.act.stalled import StalledConnections
 from tests.collect.conftest import GIB, FakeGpu, FakeNvml
 from tests.hookserver.conftest import run_async
 
@@ -45,7 +47,7 @@ POD_CGROUP = (
     f"kubepods-burstable-pod{POD.replace('-', '_')}.slice/cri-containerd-{CID}.scope"
 )
 GPU_UUID = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
-ENGINE_PORT = 8000
+DENIED_PORT = 9000
 ENFORCE = PolicyConfig(mode="enforce", actions=("cancel",), grace_seconds=0)
 OBSERVE = PolicyConfig(mode="observe", actions=("cancel", "reset"), grace_seconds=0)
 # `kvwatch streams --json` (DESIGN.md, "Contracts"): what an audit line's evidence holds.
@@ -57,20 +59,10 @@ STREAM_KEYS = {
 }  # fmt: skip
 
 
-def stalled(key: int = 7, pid: int = ENGINE_PID, bytes_acked: int = 1 << 20) -> SocketSample:
-    """An engine's server socket whose client went silent behind a zero window a minute ago."""
-    now = time.monotonic_ns()
-    since = now - 60 * S
-    return SocketSample(
-        key=key, source="bpf", observed_ns=now, local=Endpoint("10.0.0.1", ENGINE_PORT),
-        remote=Endpoint("10.0.0.2", 50000 + key), netns=1, inode=0, pid=pid, comm="python3",
-        tcp_state=1, wmem_queued=9000, sndbuf=9000, notsent_bytes=4096, unacked_bytes=0,
-        peer_rwnd=0, srtt_us=100, snd_cwnd=10, retransmits=0, zero_window_probes=8,
-        zero_window_episodes=1, zero_window_since_ns=since, zero_window_total_ns=60 * S,
-        last_zero_window_end_ns=0, sndbuf_full_episodes=1, sndbuf_full_since_ns=since,
-        progress_ns=since, first_seen_ns=since - S, bytes_acked=bytes_acked,
-        peer_rwnd_max=4096, rto_us=200_000, last_ack_ns=since,
-    )  # fmt: skip
+def stalled(connections: StalledConnections, key: int = 7, pid: int = ENGINE_PID) -> SocketSample:
+    """An engine's server socket whose client stopped reading behind a zero window a minute
+    ago: a real connection, as the kernel shows it."""
+    return connections.sample(key, pid)
 
 
 def announced(sample: SocketSample, age_seconds: float = 61.0, **flags: bool) -> EngineStream:
@@ -142,11 +134,11 @@ async def running_agent(
 
 
 def test_observe_mode_never_acts_and_audits_what_it_would_have_done(
-    tmp_path: Path, socket_path: str
+    tmp_path: Path, socket_path: str, stalled_connections: StalledConnections
 ) -> None:
     async def scenario() -> None:
         async with running_agent(tmp_path, socket_path, OBSERVE) as agent:
-            sample = stalled()
+            sample = stalled(stalled_connections)
             agent.engines[sample.key] = announced(sample, egress_buffer_full=True)
             assert await agent.stalled(sample) is None
             assert await agent.stalled(sample) is None  # the same episode: decided once
@@ -168,13 +160,15 @@ def test_observe_mode_never_acts_and_audits_what_it_would_have_done(
     run_async(scenario())
 
 
-def test_observe_mode_spends_the_budget_as_enforce_would(tmp_path: Path, socket_path: str) -> None:
+def test_observe_mode_spends_the_budget_as_enforce_would(
+    tmp_path: Path, socket_path: str, stalled_connections: StalledConnections
+) -> None:
     policy = PolicyConfig(mode="observe", actions=("reset",), grace_seconds=0,
                           max_cancels_per_minute=1)  # fmt: skip
 
     async def scenario() -> None:
         async with running_agent(tmp_path, socket_path, policy) as agent:
-            first, second = stalled(key=7), stalled(key=8)
+            first, second = stalled(stalled_connections, key=7), stalled(stalled_connections, key=8)
             assert await agent.stalled(first) is None
             assert await agent.stalled(second) == RECHECK_SECONDS  # room may come back
             assert await agent.stalled(second) == RECHECK_SECONDS
@@ -189,7 +183,7 @@ def test_observe_mode_spends_the_budget_as_enforce_would(tmp_path: Path, socket_
 @pytest.mark.parametrize(
     ("rules", "named"),
     [
-        ({"deny_ports": (ENGINE_PORT,)}, "policy.deny_ports"),
+        ({"deny_ports": (DENIED_PORT,)}, "policy.deny_ports"),
         ({"deny_comms": ("py*",), "allow_comms": ("python3",)}, "policy.deny_comms 'py*'"),
         ({"deny_cgroups": (POD,)}, f"pod '{POD}' matches policy.deny_cgroups"),
         ({"deny_cgroups": ("*cri-containerd-*",)}, f"cgroup '{POD_CGROUP}'"),
@@ -197,13 +191,19 @@ def test_observe_mode_spends_the_budget_as_enforce_would(tmp_path: Path, socket_
     ids=["port", "comm-over-allow", "pod", "cgroup"],
 )
 def test_a_denied_stream_is_never_acted_on_even_in_enforce_mode(
-    tmp_path: Path, socket_path: str, rules: dict[str, Any], named: str
+    tmp_path: Path,
+    socket_path: str,
+    stalled_connections: StalledConnections,
+    rules: dict[str, Any],
+    named: str,
 ) -> None:
     policy = PolicyConfig(mode="enforce", actions=("cancel", "reset"), grace_seconds=0, **rules)
 
     async def scenario() -> None:
         async with running_agent(tmp_path, socket_path, policy) as agent:
-            sample = stalled()
+            sample = stalled(stalled_connections).with_changes(
+                local=Endpoint("127.0.0.1", DENIED_PORT)
+            )
             agent.engines[sample.key] = announced(sample)
             assert await agent.stalled(sample) is None  # denied for the whole episode
             assert await agent.stalled(sample) is None
@@ -222,7 +222,7 @@ def test_a_denied_stream_is_never_acted_on_even_in_enforce_mode(
 
 
 def test_a_deny_rule_on_this_process_name_holds_for_its_sockets(
-    tmp_path: Path, socket_path: str
+    tmp_path: Path, socket_path: str, stalled_connections: StalledConnections
 ) -> None:
     comm = Procfs().comm(os.getpid())
     assert comm
@@ -230,7 +230,7 @@ def test_a_deny_rule_on_this_process_name_holds_for_its_sockets(
 
     async def scenario() -> None:
         async with running_agent(tmp_path, socket_path, policy, Procfs()) as agent:
-            sample = stalled(pid=os.getpid())
+            sample = stalled(stalled_connections, pid=os.getpid())
             assert await agent.stalled(sample) is None
             (line,) = agent.audit_lines()
             assert line["reason"] == "denied_by_rule" and repr(comm) in line["detail"]
@@ -240,13 +240,15 @@ def test_a_deny_rule_on_this_process_name_holds_for_its_sockets(
     run_async(scenario())
 
 
-def test_a_stream_outside_the_allow_lists_is_not_acted_on(tmp_path: Path, socket_path: str) -> None:
+def test_a_stream_outside_the_allow_lists_is_not_acted_on(
+    tmp_path: Path, socket_path: str, stalled_connections: StalledConnections
+) -> None:
     policy = PolicyConfig(mode="enforce", actions=("cancel",), grace_seconds=0,
                           allow_cgroups=("*/other-pod*",))  # fmt: skip
 
     async def scenario() -> None:
         async with running_agent(tmp_path, socket_path, policy) as agent:
-            sample = stalled()
+            sample = stalled(stalled_connections)
             agent.engines[sample.key] = announced(sample)
             assert await agent.stalled(sample) is None
             (line,) = agent.audit_lines()
@@ -257,11 +259,11 @@ def test_a_stream_outside_the_allow_lists_is_not_acted_on(tmp_path: Path, socket
 
 
 def test_a_cancel_no_engine_answers_is_audited_and_gives_its_budget_back(
-    tmp_path: Path, socket_path: str
+    tmp_path: Path, socket_path: str, stalled_connections: StalledConnections
 ) -> None:
     async def scenario() -> None:
         async with running_agent(tmp_path, socket_path, ENFORCE) as agent:
-            sample = stalled()
+            sample = stalled(stalled_connections)
             agent.engines[sample.key] = announced(sample, kv_estimated=True)
             assert await agent.stalled(sample) is None
             decision, outcome = agent.audit_lines()
@@ -283,13 +285,13 @@ def test_a_cancel_no_engine_answers_is_audited_and_gives_its_budget_back(
 
 
 def test_a_young_stream_is_looked_at_again_and_each_new_reason_is_one_line(
-    tmp_path: Path, socket_path: str
+    tmp_path: Path, socket_path: str, stalled_connections: StalledConnections
 ) -> None:
     policy = PolicyConfig(mode="observe", actions=("cancel",), grace_seconds=30)
 
     async def scenario() -> None:
         async with running_agent(tmp_path, socket_path, policy) as agent:
-            sample = stalled()
+            sample = stalled(stalled_connections)
             agent.engines[sample.key] = announced(sample, age_seconds=5)
             for _ in range(3):  # the timers look again every RECHECK_SECONDS
                 assert await agent.stalled(sample) == RECHECK_SECONDS
@@ -303,23 +305,28 @@ def test_a_young_stream_is_looked_at_again_and_each_new_reason_is_one_line(
 
 
 def test_every_decision_is_one_audit_line_with_its_evidence(
-    tmp_path: Path, socket_path: str
+    tmp_path: Path, socket_path: str, stalled_connections: StalledConnections
 ) -> None:
     policy = PolicyConfig(mode="observe", actions=("cancel", "reset"), grace_seconds=0,
                           deny_ports=(9000,))  # fmt: skip
 
     async def scenario() -> None:
         async with running_agent(tmp_path, socket_path, policy) as agent:
-            hooked, unhooked = stalled(key=7), stalled(key=8)
-            denied = stalled(key=9).with_changes(local=Endpoint("10.0.0.1", 9000))
+            hooked, unhooked = (
+                stalled(stalled_connections, key=7),
+                stalled(stalled_connections, key=8),
+            )
+            denied = stalled(stalled_connections, key=9).with_changes(
+                local=Endpoint("127.0.0.1", DENIED_PORT)
+            )
             agent.engines[hooked.key] = announced(hooked)
             for sample in (hooked, unhooked, denied, hooked, unhooked, denied):
                 await agent.stalled(sample)
             lines = agent.audit_lines()
             assert [(line["local"], line["reason"]) for line in lines] == [
-                ("10.0.0.1:8000", "stalled"),
-                ("10.0.0.1:8000", "stalled"),
-                ("10.0.0.1:9000", "denied_by_rule"),
+                (str(hooked.local), "stalled"),
+                (str(unhooked.local), "stalled"),
+                (f"127.0.0.1:{DENIED_PORT}", "denied_by_rule"),
             ]
             assert len({line["decision_id"] for line in lines}) == 3
             events = [e for e in agent.decider.events if e["kind"] == "decision"]

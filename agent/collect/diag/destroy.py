@@ -11,13 +11,12 @@ from __future__ import annotations
 import enum
 import errno
 import os
-import socket
 
 from pyroute2.netlink import NLM_F_ACK, NLM_F_REQUEST
 from pyroute2.netlink.diag import SOCK_DESTROY
 
-from kvwatch.collect.diag.snapshot import DiagClient, inet_diag_request, netlink_failure
-from kvwatch.collect.diag.wire import NLMSG_ERROR, address_words, nlmsg_errno, nlmsg_type
+from kvwatch.collect.diag.snapshot import DiagClient, exact_request, netlink_failure
+from kvwatch.collect.diag.wire import NLMSG_ERROR, nlmsg_errno, nlmsg_type
 from kvwatch.errors import KvwatchError
 from kvwatch.sockets import Endpoint
 
@@ -39,16 +38,7 @@ def destroy_socket(local: Endpoint, remote: Endpoint, cookie: int) -> DestroyRes
     (shown with IPv4 addresses) is found by the IPv4 lookup: both families share one table.
     """
     action = f"resetting the TCP socket {local} -> {remote}"
-    family = socket.AF_INET6 if ":" in local.ip else socket.AF_INET
-    request = inet_diag_request(
-        family,
-        NLM_F_REQUEST | NLM_F_ACK,
-        sport=local.port,
-        dport=remote.port,
-        src=address_words(family, local.ip),
-        dst=address_words(family, remote.ip),
-        cookie=cookie,
-    )
+    request = exact_request(local, remote, NLM_F_REQUEST | NLM_F_ACK, cookie)
     with DiagClient() as client:
         replies = client.request(request, SOCK_DESTROY, action)
     codes = [nlmsg_errno(reply) for reply in replies if nlmsg_type(reply) == NLMSG_ERROR]

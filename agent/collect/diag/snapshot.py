@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any
 
 from pyroute2 import DiagSocket
-from pyroute2.netlink import NLM_F_DUMP, NLM_F_REQUEST, nlmsg
+from pyroute2.netlink import NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, nlmsg
 from pyroute2.netlink.diag import MarshalDiag, inet_diag_req
 from pyroute2.netlink.exceptions import NetlinkError
 
@@ -30,12 +30,14 @@ from kvwatch.collect.diag.wire import (
     NLMSG_ERROR,
     SOCK_DIAG_BY_FAMILY,
     DiagEntry,
+    address_words,
     cookie_halves,
     nlmsg_errno,
     nlmsg_type,
     parse_inet_diag_msg,
 )
 from kvwatch.errors import KvwatchError, PrivilegeError
+from kvwatch.sockets import Endpoint
 
 FAMILIES = (socket.AF_INET, socket.AF_INET6)
 # Linux TCP states (include/net/tcp_states.h) of sockets that can hold unsent or unacked data:
@@ -43,6 +45,8 @@ FAMILIES = (socket.AF_INET, socket.AF_INET6)
 # SYN_RECV (request sockets) and CLOSE are left out: they carry no send queue and no tcp_info.
 TCP_STATES_WITH_DATA = (1, 2, 3, 4, 5, 8, 9, 11)
 _STATE_MASK = sum(1 << state for state in TCP_STATES_WITH_DATA)
+# idiag_cookie that matches any socket (both halves ~0U): an exact lookup by 4-tuple alone.
+INET_DIAG_NOCOOKIE = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,23 @@ def inet_diag_request(
     return request
 
 
+def exact_request(
+    local: Endpoint, remote: Endpoint, flags: int, cookie: int, extensions: int = 0
+) -> Any:
+    """A request for the one socket with this 4-tuple and cookie (`INET_DIAG_NOCOOKIE`: any)."""
+    family = socket.AF_INET6 if ":" in local.ip else socket.AF_INET
+    return inet_diag_request(
+        family,
+        flags,
+        extensions=extensions,
+        sport=local.port,
+        dport=remote.port,
+        src=address_words(family, local.ip),
+        dst=address_words(family, remote.ip),
+        cookie=cookie,
+    )
+
+
 class DiagClient:
     """Owns one NETLINK_SOCK_DIAG socket (a pyroute2 DiagSocket); blocking.
 
@@ -195,6 +216,27 @@ class DiagClient:
                     # A dump that races with socket churn may report a socket twice.
                     entries.setdefault(entry.cookie, entry)
         return DiagSnapshot(observed_ns, self.netns, tuple(entries.values()))
+
+    def find(self, local: Endpoint, remote: Endpoint) -> DiagEntry | None:
+        """The one TCP socket with this 4-tuple, as the kernel sees it now (an exact lookup,
+        not a dump: its cost does not grow with the sockets on the port); None when there is
+        none. An IPv4-mapped IPv6 socket is found by its IPv4 addresses. The kernel's lookup
+        falls back to the listener on the local port, which is not the socket asked for."""
+        action = f"looking up the TCP socket {local} -> {remote} over sock_diag"
+        request = exact_request(
+            local, remote, NLM_F_REQUEST | NLM_F_ACK, INET_DIAG_NOCOOKIE, DIAG_EXTENSIONS
+        )
+        for message in self.request(request, SOCK_DIAG_BY_FAMILY, action):
+            kind = nlmsg_type(message)
+            code = nlmsg_errno(message) if kind == NLMSG_ERROR else 0
+            if code == errno.ENOENT:
+                return None
+            if code:
+                raise netlink_failure(OSError(code, os.strerror(code)), action)
+            entry = parse_inet_diag_msg(message) if kind == SOCK_DIAG_BY_FAMILY else None
+            if entry is not None and entry.local == local and entry.remote == remote:
+                return entry
+        return None
 
     def _dump(self, family: int, local_port: int) -> list[DiagEntry]:
         action = "dumping TCP sockets over sock_diag"

@@ -1,0 +1,62 @@
+"""The check before an action (kvwatch.act.confirm) against real sockets: the kernel's view
+of a stalled connection confirms the stall; a reader that drained since, a sender that
+closed and a connection that is gone do not, and say why."""
+
+from __future__ import annotations
+
+import time
+
+from kvwatch.act.confirm import check
+from kvwatch.streams.states import StatePolicy, judge
+from tests.act.stalled import StalledConnections, kernel_view
+
+POLICY = StatePolicy()
+
+
+def test_a_stalled_connection_is_confirmed_with_the_kernels_evidence(
+    stalled_connections: StalledConnections,
+) -> None:
+    record = stalled_connections.sample(key=1, pid=1)
+    now = time.monotonic_ns()
+    entry = kernel_view(record.local, record.remote)
+    verdict = check(record, judge(record, now, POLICY), entry, now, now, POLICY)
+    assert verdict.agrees and verdict.judgement.stalled
+    assert verdict.kernel is not None and verdict.kernel["tcp_state"] == "ESTABLISHED"
+    assert verdict.kernel["peer_rwnd"] == 0 and verdict.kernel["notsent_bytes"] > 0
+    # the answers to the kernel's probes are newer than the record's minute-old segment
+    assert verdict.sample.last_ack_ns > record.last_ack_ns
+
+
+def test_a_reader_that_drained_since_the_record_is_not_stalled(
+    stalled_connections: StalledConnections,
+) -> None:
+    record = stalled_connections.sample(key=1, pid=1)
+    reader = stalled_connections.reader
+    reader.settimeout(1)
+    for _ in range(8):
+        reader.recv(65536)
+    time.sleep(0.05)
+    now = time.monotonic_ns()
+    entry = kernel_view(record.local, record.remote)
+    verdict = check(record, judge(record, now, POLICY), entry, now, now, POLICY)
+    assert not verdict.agrees and verdict.reason == "unconfirmed"
+    assert "more bytes acknowledged" in verdict.detail
+    assert verdict.sample.bytes_acked > record.bytes_acked
+
+
+def test_a_sender_that_closed_is_not_stalled(stalled_connections: StalledConnections) -> None:
+    record = stalled_connections.sample(key=1, pid=1)
+    stalled_connections.writer.close()  # queued bytes left: FIN_WAIT1, an orphan
+    now = time.monotonic_ns()
+    entry = kernel_view(record.local, record.remote)
+    verdict = check(record, judge(record, now, POLICY), entry, now, now, POLICY)
+    assert not verdict.agrees and verdict.reason == "unconfirmed"
+    assert "the sender has closed (FIN_WAIT1)" in verdict.detail
+    assert verdict.kernel is not None and verdict.kernel["tcp_state"] == "FIN_WAIT1"
+
+
+def test_a_connection_that_is_gone_is_said_to_be(stalled_connections: StalledConnections) -> None:
+    record = stalled_connections.sample(key=1, pid=1)
+    now = time.monotonic_ns()
+    verdict = check(record, judge(record, now, POLICY), None, now, now, POLICY)
+    assert (verdict.agrees, verdict.reason, verdict.kernel) == (False, "socket_gone", None)

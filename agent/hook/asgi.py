@@ -4,8 +4,9 @@
     KVWATCH_WRAP_FACTORY=llama_cpp.server.app:create_app MODEL=m.gguf \\
         uvicorn --factory kvwatch.hook.asgi:wrapped_factory
 
-Each streaming (text/event-stream) response is announced to the kvwatch agent with its
-request id, the connection's real addresses and an estimated KV size; a `cancel` from the agent
+Each streaming (text/event-stream) response is announced to the kvwatch agent at its first
+token (the first SSE event with data: comments and keep-alives are not tokens) with its request
+id, the connection's real addresses and an estimated KV size; a `cancel` from the agent
 becomes `http.disconnect` for the app (its own abort path frees the KV), then a TCP reset.
 Settings come from keyword arguments or, for `--middleware` (which passes none), from the
 environment: KVWATCH_ENGINE_SOCKET, KVWATCH_KV_BYTES_PER_TOKEN, KVWATCH_EGRESS_BUFFER_BYTES

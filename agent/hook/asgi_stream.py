@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from kvwatch.hook.asgi_conn import Connection
 from kvwatch.hook.asgi_egress import EgressBudget, EgressBuffer
 from kvwatch.hook.asgi_kv import KvGeometry, prompt_tokens
+from kvwatch.hook.asgi_sse import DataEvent, EventReader
 from kvwatch.hook.engine_hook import EngineHook
 from kvwatch.hookwire.types import CancelOutcome
 
@@ -19,7 +19,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-FIRST_EVENT_SCAN_BYTES = 64 * 1024
 DISCONNECT: Message = {"type": "http.disconnect"}
 DISCONNECT_GRACE_SECONDS = 0.5
 
@@ -31,32 +30,23 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def first_event_id(head: bytes) -> str | None:
-    """The id of the first complete SSE event in `head`: its `id:` field, else the "id" of
-    its `data:` JSON (OpenAI-style chunks: "cmpl-…", "chatcmpl-…"); None if it has neither."""
-    event = head.replace(b"\r\n", b"\n").split(b"\n\n", 1)[0]
-    for raw in event.split(b"\n"):
-        line = raw.decode("utf-8", "replace")
-        field, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if field == "id" and value:
-            return value
-        if field == "data":
-            try:
-                data = json.loads(value)
-            except ValueError:
-                continue
-            if isinstance(data, dict) and isinstance(data.get("id"), str) and data["id"]:
-                return str(data["id"])
-    return None
+def estimated_blocks(geometry: KvGeometry, body_bytes: int, tokens_out: int) -> int:
+    """The KV blocks a request is estimated to hold: none before its first token (it may be
+    queued, e.g. waiting for llama-cpp-python's one generation lock, and the middleware cannot
+    tell), else those of its prompt (from the request body) and of the tokens it streamed."""
+    if tokens_out == 0:
+        return 0
+    return geometry.blocks_for(prompt_tokens(body_bytes) + tokens_out)
 
 
 class RequestStream:
     """The middleware's view of one request; owned by the server's event loop, except
     `cancel_from_thread`, which the hook's cancel worker calls.
 
-    Invariants: the stream is announced (`open`) at most once, at its first SSE body bytes,
-    and closed exactly once after that; once cancelled, `receive` returns `http.disconnect`
+    Invariants: the stream is announced (`open`) at most once, at its first token — the
+    first SSE event with data, which carries the engine's request id (comments such as
+    sse-starlette's `: ping`, blank keep-alives and events without data are not tokens) — and
+    closed exactly once after that; once cancelled, `receive` returns `http.disconnect`
     and `send` raises OSError after a short grace, so the app unwinds through its own
     disconnect path (vLLM's generator cancellation aborts the engine request;
     llama-cpp-python releases its lock).
@@ -81,7 +71,7 @@ class RequestStream:
         self.request_id: str | None = None
         self.opened = False
         self._streaming = False
-        self._head = b""
+        self._events = EventReader()
         self._kept: Message | None = None
         self._body_bytes = 0
         self.tokens_out = 0
@@ -93,7 +83,7 @@ class RequestStream:
     def kv_blocks(self) -> int:
         if self.app_done.is_set():
             return 0  # the app returned: the engine has let the request go
-        return self._geometry.blocks_for(prompt_tokens(self._body_bytes) + self.tokens_out)
+        return estimated_blocks(self._geometry, self._body_bytes, self.tokens_out)
 
     async def receive(self, receive: Receive) -> Message:
         """The server's next message, or `http.disconnect` once cancelled. A caller that gives
@@ -140,7 +130,7 @@ class RequestStream:
                 cap_bytes, budget = egress
                 self.buffer = EgressBuffer(send, cap_bytes, budget, self._report_full)
         elif kind == "http.response.body" and self._streaming:
-            self._count(bytes(message.get("body", b"")), bool(message.get("more_body", False)))
+            self._read_body(bytes(message.get("body", b"")), bool(message.get("more_body", False)))
         put = self.buffer.put(message) if self.buffer is not None else send(message)
         if not self.opened:  # the agent cannot cancel what it never heard of: no race needed
             await put
@@ -186,20 +176,21 @@ class RequestStream:
         inner.result()
         return True
 
-    def _count(self, body: bytes, more_body: bool) -> None:
-        self.tokens_out += body.count(b"data:") - body.count(b"data: [DONE]")
+    def _read_body(self, body: bytes, more_body: bool) -> None:
+        """Counts the tokens (data events but `[DONE]`) in `body`; announces at the first."""
         self.finished = not more_body
+        tokens = [event for event in self._events.feed(body) if not event.is_done]
+        if not tokens:
+            return
+        self.tokens_out += len(tokens)
         if self.request_id is None:
-            self._head += body[: FIRST_EVENT_SCAN_BYTES - len(self._head)]
-            if b"\n\n" not in self._head and more_body and len(self._head) < FIRST_EVENT_SCAN_BYTES:
-                return
-            self._announce()
-        else:
-            self.report()
+            self._announce(tokens[0])
+        self.report()
 
-    def _announce(self) -> None:
-        self.request_id = self._header_id or first_event_id(self._head) or self._fallback_id
-        self._head = b""
+    def _announce(self, first: DataEvent) -> None:
+        """Names the request (X-Request-Id, else the first token's id, else the fallback) and
+        opens it with the agent, if its connection is known."""
+        self.request_id = self._header_id or first.request_id() or self._fallback_id
         connection = self.connection
         if connection is None:
             return

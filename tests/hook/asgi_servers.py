@@ -1,5 +1,6 @@
-"""Real ASGI servers for the middleware tests: a Starlette SSE app under uvicorn or hypercorn,
-each in its own thread and event loop on a free loopback port, and raw-socket clients."""
+"""Real ASGI servers for the middleware tests: Starlette SSE apps (one on sse-starlette, with
+its pings) under uvicorn or hypercorn, each in its own thread and event loop on a free loopback
+port, and raw-socket clients."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,6 +18,7 @@ import uvicorn
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.middleware import ProxyFixMiddleware
+from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
@@ -70,6 +73,34 @@ class SseApp:
         except (asyncio.CancelledError, GeneratorExit):
             self.outcomes[request_id] = "disconnected"
             raise
+
+
+class PingingSseApp:
+    """`POST /v1/completions` answers with sse-starlette's EventSourceResponse, which sends a
+    `: ping` comment every `ping` seconds, each line ended by `sep`. Its events first wait for
+    `gate`, as a request waits for llama-cpp-python's generation lock, then stream
+    `max_tokens` chunks with the engine's random `cmpl-…` id, one every `pause` seconds (pings
+    fall between them), and `[DONE]`."""
+
+    def __init__(self, ping: float, pause: float, sep: str) -> None:
+        self.ping = ping
+        self.pause = pause
+        self.sep = sep
+        self.gate = threading.Event()
+        self.app = Starlette(routes=[Route("/v1/completions", self._completions, methods=["POST"])])
+
+    async def _completions(self, request: Request) -> EventSourceResponse:
+        body = await request.json()
+        events = self._events(f"cmpl-{uuid.uuid4().hex}", int(body.get("max_tokens", 16)))
+        return EventSourceResponse(events, ping=self.ping, sep=self.sep)
+
+    async def _events(self, request_id: str, count: int) -> AsyncIterator[dict[str, str]]:
+        while not self.gate.is_set():
+            await asyncio.sleep(0.01)
+        for index in range(count):
+            yield {"data": json.dumps({"id": request_id, "choices": [{"text": f" t{index}"}]})}
+            await asyncio.sleep(self.pause)
+        yield {"data": "[DONE]"}
 
 
 class ServerThread:
@@ -182,6 +213,20 @@ def open_client(port: int, request: bytes, *, rcvbuf: int | None = None) -> sock
     client.connect(("127.0.0.1", port))
     client.sendall(request)
     return client
+
+
+def read_until(
+    client: socket.socket, enough: Callable[[bytes], bool], timeout: float = 20.0
+) -> bytes:
+    """What the client reads until `enough` of it has come."""
+    client.settimeout(timeout)
+    data = bytearray()
+    while not enough(bytes(data)):
+        chunk = client.recv(65536)
+        if not chunk:
+            raise AssertionError(f"the server closed the response early: {bytes(data)!r}")
+        data += chunk
+    return bytes(data)
 
 
 def read_all(client: socket.socket, timeout: float = 20.0) -> bytes:

@@ -9,12 +9,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from kvwatch.errors import ProtocolError
 from kvwatch.hook import EngineInfo
 from kvwatch.hookwire.protocol import LineFramer, Message, encode
 
 WAIT_SECONDS = 5.0
+M = TypeVar("M", bound=Message)
 ENGINE_INFO = EngineInfo(
     engine="kvwatch-reference",
     model="tiny",
@@ -74,6 +76,11 @@ class AgentServer:
                 raise AssertionError(f"agent never saw the expected messages: {self.messages}")
             return list(self.messages)
 
+    def first(self, kind: type[M], request_id: str, timeout: float = 15.0) -> M:
+        """The first `kind` message about `request_id`, waiting for it."""
+        messages = self.wait_for(lambda ms: bool(of_kind(ms, kind, request_id)), timeout)
+        return of_kind(messages, kind, request_id)[0]
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             for key, _ in self._selector.select(0.05):
@@ -108,6 +115,15 @@ class AgentServer:
                 else:
                     self.messages.append(item)
             self._cond.notify_all()
+
+
+def of_kind(messages: list[Message], kind: type[M], request_id: str | None = None) -> list[M]:
+    """The messages of `kind` (about `request_id`, if given), in order."""
+    return [
+        m
+        for m in messages
+        if isinstance(m, kind) and request_id in (None, getattr(m, "request_id", None))
+    ]
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_SECONDS) -> None:

@@ -1,5 +1,6 @@
 """The middleware's KV estimates: vLLM's geometry from a configuration shaped like vLLM's
-(`VllmConfig` with `ModelConfig`/`CacheConfig`), the configured fallback, block rounding."""
+(`VllmConfig` with `ModelConfig`/`CacheConfig`), the configured fallback, block rounding, and
+none for a request that has produced no token."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from starlette.applications import Starlette
 
 from kvwatch.hook.asgi_kv import KvGeometry, detect, prompt_tokens, vllm_geometry
+from kvwatch.hook.asgi_stream import estimated_blocks
 
 
 @dataclass
@@ -65,3 +67,14 @@ def test_the_app_state_is_where_vllm_keeps_its_config() -> None:
     assert (fallback.engine, fallback.bytes_per_block, fallback.blocks_for(7)) == ("asgi", 1000, 7)
     assert detect(Starlette(), bytes_per_token=0).blocks_for(50) == 0  # unknown: no estimate
     assert prompt_tokens(10) == 3
+
+
+def test_a_request_without_a_token_holds_no_estimated_kv() -> None:
+    """A request waiting for the engine (llama-cpp-python's generation lock) has its prompt
+    in its body but no KV yet: 0, even for a whole-context engine, until its first token."""
+    llama = KvGeometry("llama-cpp-python", "m.gguf", "cpu", 16 << 20, 4096, whole_context=True)
+    per_token = KvGeometry("asgi", "", "unknown", 1000, 1)
+    for geometry in (llama, per_token):
+        assert estimated_blocks(geometry, body_bytes=4000, tokens_out=0) == 0
+    assert estimated_blocks(llama, body_bytes=4000, tokens_out=1) == 1
+    assert estimated_blocks(per_token, body_bytes=4000, tokens_out=1) == 1001

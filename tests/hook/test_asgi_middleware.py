@@ -1,10 +1,13 @@
 """The ASGI middleware under real uvicorn and hypercorn, against a real (test) agent: real
-addresses despite proxy headers, cancels that reach the app as http.disconnect and reset the
-client, and a server that behaves as without kvwatch when the agent is absent, slow or rude."""
+addresses despite proxy headers, a request announced at its first token by the engine's id
+(not at sse-starlette's pings before it), cancels that reach the app as http.disconnect and
+reset the client, and a server that behaves as without kvwatch when the agent is absent, slow
+or rude."""
 
 from __future__ import annotations
 
 import importlib
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -14,27 +17,32 @@ import pytest
 from fastapi import FastAPI
 
 from kvwatch.hook.asgi import Middleware
+from kvwatch.hook.asgi_kv import prompt_tokens
 from kvwatch.hookwire.protocol import Cancel, Cancelled, Close, EngineInfo, Message, Open, Update
 from tests.hook.asgi_servers import (
+    PingingSseApp,
     SseApp,
     completion_request,
     open_client,
     read_all,
+    read_until,
     serving,
 )
-from tests.hook.hook_agent import AgentServer, wait_until
+from tests.hook.hook_agent import AgentServer, of_kind, wait_until
 
 AgentFactory = Callable[..., AgentServer]
 SERVERS = ("uvicorn", "hypercorn")
 BYTES_PER_TOKEN = 1000
 STALL_RCVBUF = 4096
+PING_SECONDS = 0.05
+ENGINE_ID = re.compile(rb'"id": "(cmpl-[0-9a-f]+)"')
 
 
 @pytest.fixture
 def middlewares() -> Iterator[Callable[..., Middleware]]:
     built: list[Middleware] = []
 
-    def build(app: SseApp, socket_path: str, **options: int) -> Middleware:
+    def build(app: SseApp | PingingSseApp, socket_path: str, **options: int) -> Middleware:
         middleware = Middleware(
             app.app,
             socket_path=socket_path,
@@ -48,28 +56,6 @@ def middlewares() -> Iterator[Callable[..., Middleware]]:
     yield build
     for middleware in built:
         middleware.close()
-
-
-def _of(messages: list[Message], kind: type[Message]) -> list[Message]:
-    return [m for m in messages if isinstance(m, kind)]
-
-
-def _opened(agent: AgentServer, request_id: str) -> Open:
-    messages = agent.wait_for(
-        lambda ms: any(getattr(m, "request_id", "") == request_id for m in _of(ms, Open)), 10
-    )
-    found = next(m for m in _of(messages, Open) if m.request_id == request_id)  # type: ignore[attr-defined]
-    assert isinstance(found, Open)
-    return found
-
-
-def _closed(agent: AgentServer, request_id: str) -> Close:
-    messages = agent.wait_for(
-        lambda ms: any(getattr(m, "request_id", "") == request_id for m in _of(ms, Close)), 15
-    )
-    found = next(m for m in _of(messages, Close) if m.request_id == request_id)  # type: ignore[attr-defined]
-    assert isinstance(found, Close)
-    return found
 
 
 @pytest.mark.parametrize("kind", SERVERS)
@@ -91,9 +77,9 @@ def test_streams_are_announced_with_the_sockets_real_addresses(
         unnamed = open_client(server.port, completion_request(server.port, "b", 5))
         read_all(unnamed)
         unnamed.close()
-        opened = _opened(agent, "req-7")
-        closed = _closed(agent, "req-7")
-        assert _opened(agent, "cmpl-b").kv_estimated  # no header: the first event's id
+        opened = agent.first(Open, "req-7")
+        closed = agent.first(Close, "req-7")
+        assert agent.first(Open, "cmpl-b").kv_estimated  # no header: the first event's id
     assert body.count(b"data:") == 41
     assert (str(opened.local), str(opened.remote)) == (
         f"{local[0]}:{local[1]}",
@@ -103,11 +89,55 @@ def test_streams_are_announced_with_the_sockets_real_addresses(
     assert app.scope_clients["cmpl-a"] in ("203.0.113.9", "198.51.100.7")
     assert opened.kv_estimated
     assert closed.reason == "finished"
-    updates = [m for m in _of(agent.messages, Update) if m.request_id == "req-7"]  # type: ignore[attr-defined]
-    assert updates and all(u.kv_estimated for u in updates)  # type: ignore[attr-defined]
-    assert max(u.tokens_out for u in updates) == 40  # type: ignore[attr-defined]
+    updates = of_kind(agent.messages, Update, "req-7")
+    assert updates and all(u.kv_estimated for u in updates)
+    assert max(u.tokens_out for u in updates) == 40
     assert isinstance(agent.messages[0], EngineInfo)
     assert agent.messages[0].engine == "asgi"
+
+
+@pytest.mark.parametrize(
+    ("kind", "sep"), [("uvicorn", "\r\n"), ("hypercorn", "\n"), ("uvicorn", "\r")]
+)
+def test_a_request_waiting_behind_pings_is_announced_at_its_first_token_by_the_engines_id(
+    kind: str,
+    sep: str,
+    socket_path: str,
+    agent_factory: AgentFactory,
+    middlewares: Callable[..., Middleware],
+) -> None:
+    """sse-starlette pings a response whose engine has not started (llama-cpp-python's
+    request waiting for the generation lock): no announce, no KV, until its first token; then
+    the engine's own `cmpl-…` id and an estimate that counts tokens, not pings."""
+    agent = agent_factory()
+    app = PingingSseApp(ping=PING_SECONDS, pause=3 * PING_SECONDS, sep=sep)
+    middleware = middlewares(app, socket_path)
+    tokens = 6
+    with serving(kind, middleware) as server:
+        request = completion_request(server.port, "waiting", tokens)
+        client = open_client(server.port, request)
+        waited = read_until(client, lambda data: data.count(b": ping") >= 3)
+        agent.wait_for(lambda ms: bool(of_kind(ms, EngineInfo)))  # the hook is connected
+        assert middleware.hook is not None
+        live_while_waiting = middleware.hook.counters()["live_streams"]
+        heard_while_waiting = of_kind(agent.messages, Open) + of_kind(agent.messages, Update)
+        app.gate.set()  # the engine starts generating
+        streamed = read_all(client)
+        client.close()
+        found = ENGINE_ID.search(streamed)
+        assert found is not None, streamed
+        engine_id = found.group(1).decode()
+        opened, closed = agent.first(Open, engine_id), agent.first(Close, engine_id)
+    assert b"data:" not in waited
+    assert (live_while_waiting, heard_while_waiting) == (0, [])
+    assert [m.request_id for m in of_kind(agent.messages, Open)] == [engine_id]
+    prompt = prompt_tokens(len(request.split(b"\r\n\r\n", 1)[1]))
+    assert opened.kv_blocks == prompt + 1  # from the first token on: the prompt's and its own
+    updates = of_kind(agent.messages, Update, engine_id)
+    assert all(u.kv_blocks == prompt + u.tokens_out for u in updates)
+    assert max(u.tokens_out for u in updates) == tokens
+    assert streamed.count(b": ping") > 0  # pings came between the tokens and were not counted
+    assert closed.reason == "finished"
 
 
 @pytest.mark.parametrize("kind", SERVERS)
@@ -121,14 +151,14 @@ def test_a_cancel_reaches_the_app_as_a_disconnect_and_resets_the_client(
             server.port, completion_request(server.port, "stalled", 100_000), rcvbuf=STALL_RCVBUF
         )
         assert stalled.recv(256)
-        opened = _opened(agent, "cmpl-stalled")
+        opened = agent.first(Open, "cmpl-stalled")
         healthy = open_client(server.port, completion_request(server.port, "healthy", 300))
         agent.send(Cancel(request_id="cmpl-stalled", reason="stalled", correlation_id="c-1"))
         answer = _answer(agent, "c-1")
         outcome_at_answer = app.outcomes["cmpl-stalled"]
         healthy_body = read_all(healthy)
         healthy.close()
-        closed = _closed(agent, "cmpl-stalled")
+        closed = agent.first(Close, "cmpl-stalled")
         with pytest.raises(ConnectionResetError):
             _read_until_reset(stalled)
         stalled.close()
@@ -248,13 +278,13 @@ def test_decoupled_egress_lets_the_app_finish_before_a_slow_client_reads(
         )
         wait_until(lambda: app.outcomes.get("cmpl-late") == "finished")  # nobody read yet
         updates = agent.wait_for(
-            lambda ms: any(getattr(m, "kv_blocks", 1) == 0 for m in _of(ms, Update))
+            lambda ms: any(getattr(m, "kv_blocks", 1) == 0 for m in of_kind(ms, Update))
         )
         body = read_all(client)  # the client catches up from the buffer
         client.close()
-        assert _closed(agent, "cmpl-late").reason == "finished"
+        assert agent.first(Close, "cmpl-late").reason == "finished"
     assert len(_sse_data(body)) == 6001
-    assert not any(u.egress_buffer_full for u in _of(updates, Update))  # type: ignore[attr-defined]
+    assert not any(u.egress_buffer_full for u in of_kind(updates, Update))
     budget = middleware.egress_budget
     assert budget is not None and budget.buffered_bytes == 0
     assert 0 < budget.peak_bytes <= 16 << 20
@@ -289,7 +319,11 @@ def test_a_full_egress_buffer_holds_the_app_reports_the_stream_and_stays_bounded
         assert _answer(agent, "c-9").status == "cancelled"
         for client in clients:
             client.close()  # unread data: a reset; the apps end mid-response
-        assert _closed(agent, "cmpl-s1").reason == _closed(agent, "cmpl-s2").reason == "aborted"
+        assert (
+            agent.first(Close, "cmpl-s1").reason
+            == agent.first(Close, "cmpl-s2").reason
+            == "aborted"
+        )
         wait_until(lambda: budget.buffered_bytes == 0)  # nothing left behind in memory
 
 

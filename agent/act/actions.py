@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwatch.act.confirm import KernelCheck, check
+from kvwatch.act.confirm import CheckedViews, KernelCheck, check
 from kvwatch.collect.diag.destroy import DestroyResult, destroy_socket
 from kvwatch.collect.diag.snapshot import DiagClient
 from kvwatch.collect.diag.wire import DiagEntry
@@ -69,6 +69,7 @@ class Actions:
         self.hooks = hooks
         self.procfs_root = procfs_root
         self.tally = ActionTally()
+        self.checked = CheckedViews()
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwatch-reset")
 
     async def confirm(self, view: StreamView) -> KernelCheck:
@@ -88,7 +89,7 @@ class Actions:
             detail = f"the kernel's view of the socket could not be read: {exc}"
             return KernelCheck(False, "unconfirmed", detail, sample, view.judgement, None)
         now_ns = time.monotonic_ns()
-        return check(sample, view.judgement, entry, observed_ns, now_ns, view.policy)
+        return check(sample, view.judgement, entry, observed_ns, now_ns, view.policy, self.checked)
 
     async def cancel(
         self, view: StreamView, reason: str, evidence: dict[str, Any]

@@ -63,8 +63,34 @@ def heard_ns(entry: DiagEntry, observed_ns: int) -> int:
     return observed_ns - entry.tcp_info.last_ack_recv_ms * NS_PER_MS
 
 
-def with_kernel_view(sample: SocketSample, entry: DiagEntry, observed_ns: int) -> SocketSample:
-    """`sample` brought up to the kernel's view at `observed_ns` (see the module docstring)."""
+class CheckedViews:
+    """What each socket's last check found: the kernel's bytes_acked then, and when the
+    peer's newest segment had come. Progress the record missed happened, at the latest,
+    with the newest segment before the check that first showed it; if a later check finds
+    the same count, nothing moved since that earlier segment. Owned by the event loop."""
+
+    def __init__(self) -> None:
+        self._found: dict[int, tuple[int, int]] = {}
+
+    def progress_by(self, key: int, bytes_acked: int, heard: int) -> int:
+        """The latest the ACK point can have moved, given `bytes_acked` seen now with the
+        newest segment at `heard`; remembers them for the next check."""
+        earlier = self._found.get(key)
+        self._found[key] = (
+            earlier if earlier and earlier[0] == bytes_acked else (bytes_acked, heard)
+        )
+        return self._found[key][1]
+
+    def forget(self, key: int) -> None:
+        self._found.pop(key, None)
+
+
+def with_kernel_view(
+    sample: SocketSample, entry: DiagEntry, observed_ns: int, progress_by_ns: int
+) -> SocketSample:
+    """`sample` brought up to the kernel's view at `observed_ns` (see the module docstring);
+    `progress_by_ns` is the latest the ACK point can have moved where the kernel counts more
+    bytes acknowledged than the record (`CheckedViews`)."""
     info, heard = entry.tcp_info, heard_ns(entry, observed_ns)
     changes: dict[str, Any] = {
         "tcp_state": entry.tcp_state,
@@ -78,7 +104,7 @@ def with_kernel_view(sample: SocketSample, entry: DiagEntry, observed_ns: int) -
         changes["last_ack_ns"] = heard
     if info.bytes_acked > sample.bytes_acked:
         changes["bytes_acked"] = info.bytes_acked
-        changes["progress_ns"] = max(sample.progress_ns, heard)
+        changes["progress_ns"] = max(sample.progress_ns, progress_by_ns)
     if info.snd_wnd:
         changes["peer_rwnd"] = info.snd_wnd
         changes["zero_window_since_ns"] = 0
@@ -130,14 +156,19 @@ def check(
     observed_ns: int,
     now_ns: int,
     policy: StatePolicy,
+    checked: CheckedViews,
 ) -> KernelCheck:
     """Whether the kernel's view of the socket (`entry`, looked up at `observed_ns`; None
-    when no such socket exists) still makes it stalled at `now_ns`."""
+    when no such socket exists) still makes it stalled at `now_ns`; `checked` holds what
+    earlier checks of it found."""
     if entry is None:
+        checked.forget(sample.key)
         return KernelCheck(
             False, "socket_gone", "the kernel has no such socket any more", sample, judgement, None
         )
-    kernel = with_kernel_view(sample, entry, observed_ns)
+    heard = heard_ns(entry, observed_ns)
+    progress_by = checked.progress_by(sample.key, entry.tcp_info.bytes_acked, heard)
+    kernel = with_kernel_view(sample, entry, observed_ns, progress_by)
     verdict = judge(kernel, now_ns, policy)
     evidence = kernel_evidence(entry, observed_ns, now_ns)
     if verdict.stalled:

@@ -244,3 +244,4 @@ class Decider:
     def forget(self, key: int) -> None:
         self._last.pop(key, None)
         self._acted.pop(key, None)
+        self.actions.checked.forget(key)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from kvwatch.act.confirm import check
+from kvwatch.act.confirm import CheckedViews, check
 from kvwatch.streams.states import StatePolicy, judge
 from tests.act.stalled import StalledConnections, kernel_view
 
@@ -19,7 +19,7 @@ def test_a_stalled_connection_is_confirmed_with_the_kernels_evidence(
     record = stalled_connections.sample(key=1, pid=1)
     now = time.monotonic_ns()
     entry = kernel_view(record.local, record.remote)
-    verdict = check(record, judge(record, now, POLICY), entry, now, now, POLICY)
+    verdict = check(record, judge(record, now, POLICY), entry, now, now, POLICY, CheckedViews())
     assert verdict.agrees and verdict.judgement.stalled
     assert verdict.kernel is not None and verdict.kernel["tcp_state"] == "ESTABLISHED"
     assert verdict.kernel["peer_rwnd"] == 0 and verdict.kernel["notsent_bytes"] > 0
@@ -38,7 +38,7 @@ def test_a_reader_that_drained_since_the_record_is_not_stalled(
     time.sleep(0.05)
     now = time.monotonic_ns()
     entry = kernel_view(record.local, record.remote)
-    verdict = check(record, judge(record, now, POLICY), entry, now, now, POLICY)
+    verdict = check(record, judge(record, now, POLICY), entry, now, now, POLICY, CheckedViews())
     assert not verdict.agrees and verdict.reason == "unconfirmed"
     assert "more bytes acknowledged" in verdict.detail
     assert verdict.sample.bytes_acked > record.bytes_acked
@@ -49,7 +49,7 @@ def test_a_sender_that_closed_is_not_stalled(stalled_connections: StalledConnect
     stalled_connections.writer.close()  # queued bytes left: FIN_WAIT1, an orphan
     now = time.monotonic_ns()
     entry = kernel_view(record.local, record.remote)
-    verdict = check(record, judge(record, now, POLICY), entry, now, now, POLICY)
+    verdict = check(record, judge(record, now, POLICY), entry, now, now, POLICY, CheckedViews())
     assert not verdict.agrees and verdict.reason == "unconfirmed"
     assert "the sender has closed (FIN_WAIT1)" in verdict.detail
     assert verdict.kernel is not None and verdict.kernel["tcp_state"] == "FIN_WAIT1"
@@ -58,5 +58,24 @@ def test_a_sender_that_closed_is_not_stalled(stalled_connections: StalledConnect
 def test_a_connection_that_is_gone_is_said_to_be(stalled_connections: StalledConnections) -> None:
     record = stalled_connections.sample(key=1, pid=1)
     now = time.monotonic_ns()
-    verdict = check(record, judge(record, now, POLICY), None, now, now, POLICY)
+    verdict = check(record, judge(record, now, POLICY), None, now, now, POLICY, CheckedViews())
     assert (verdict.agrees, verdict.reason, verdict.kernel) == (False, "socket_gone", None)
+
+
+def test_progress_the_record_missed_is_dated_from_the_check_that_first_showed_it(
+    stalled_connections: StalledConnections,
+) -> None:
+    """A record that never sees the peer's ACKs (CLOSE_WAIT: not on the ACK path) is not
+    made young forever by the kernel's ever-newer probe answers: once two checks count the
+    same bytes acknowledged, nothing has moved since the first of them."""
+    record = stalled_connections.sample(key=1, pid=1).with_changes(bytes_acked=0)
+    checked = CheckedViews()
+    entry = kernel_view(record.local, record.remote)
+    first = time.monotonic_ns()
+    verdict = check(record, judge(record, first, POLICY), entry, first, first, POLICY, checked)
+    assert not verdict.agrees and "more bytes acknowledged" in verdict.detail
+    progress_by = verdict.sample.progress_ns
+    later = first + 60 * 1_000_000_000  # the same count a minute on
+    again = check(record, judge(record, later, POLICY), entry, later, later, POLICY, checked)
+    assert again.sample.progress_ns == progress_by
+    assert again.agrees

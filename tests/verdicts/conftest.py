@@ -33,8 +33,8 @@ class Lab:
     server: subprocess.Popen[bytes]
     readers: list[Reader] = field(default_factory=list)
 
-    def connect(self, reader: Reader) -> Reader:
-        reader.connect(self.net.client_socket(), self.net.server_ip, SERVER_PORT)
+    def connect(self, reader: Reader, request: bytes = b"stream\n") -> Reader:
+        reader.connect(self.net.client_socket(), self.net.server_ip, SERVER_PORT, request)
         self.readers.append(reader)
         return reader
 

@@ -37,7 +37,8 @@ class Reader:
     """One client. `rate` is what it drains, bytes per second, while it reads; it stops
     reading for good after `read_seconds` (None: never; 0: right after the first bytes).
     The server's orderly close counts as a reset (the token server never closes), unless
-    `eof_ends` (an HTTP response that ends): then it sets `ended_ns`."""
+    `eof_ends` (an HTTP response that ends): then it sets `ended_ns`. With `half_close` it
+    shuts its sending side after the request (the server's socket is then in CLOSE_WAIT)."""
 
     name: str
     buffer: Buffer
@@ -50,6 +51,7 @@ class Reader:
     stopped_ns: int = 0
     reset_ns: int = 0
     eof_ends: bool = False
+    half_close: bool = False
     ended_ns: int = 0
     received: bytearray = field(default_factory=bytearray)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -69,6 +71,8 @@ class Reader:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
         sock.connect((host, port))
         sock.sendall(request)
+        if self.half_close:
+            sock.shutdown(socket.SHUT_WR)
         self.sock = sock
         self.local = "{}:{}".format(*sock.getsockname()[:2])
         self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)

@@ -159,7 +159,7 @@ class Daemon:
         if self.bpf is None:  # sock_diag polling has no close events: a vanished socket closed
             for key in previous.keys() - self._samples.keys():
                 self.stall_timers.forget(key)
-                self.decider.forget(key)
+                self.decider.forget(previous[key])
         self._samples_ns = time.monotonic_ns()
         self.timelines.sweep({connection_id(s.local, s.remote) for s in samples}, self._samples_ns)
         for sample in samples:
@@ -268,7 +268,7 @@ class Daemon:
             self._samples.pop(key, None)
             self._zero_window_started.pop(key, None)
             self.stall_timers.forget(key)
-            self.decider.forget(key)
+            self.decider.forget(sample)
             self._end_stall(key, event.ts_ns)
             self.timelines.close(
                 connection_id(sample.local, sample.remote),

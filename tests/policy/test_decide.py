@@ -14,9 +14,10 @@ from kvwatch.act.actions import Actions
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.procfs import Procfs
 from kvwatch.config import PolicyConfig
+from kvwatch.hook import CancelHandler, CancelOutcome
 from kvwatch.hookserver.server import HookServer
 from kvwatch.policy.audit import AuditLog
-from kvwatch.policy.decide import Decider
+from kvwatch.policy.decide import RETRY_DELAYS_SECONDS, Decider
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import RelayIndex
@@ -24,7 +25,13 @@ from kvwatch.streams.stall_timers import StallTimers
 from kvwatch.streams.states import StallJudgement, judge
 from kvwatch.streams.timeline import Timelines
 from tests.act.stalled import StalledConnections
-from tests.hookserver.conftest import run_async, wait_until
+from tests.hookserver.conftest import (
+    BYTES_PER_BLOCK,
+    engine_hook,
+    run_async,
+    running_server,
+    wait_until,
+)
 
 POLICY = PolicyConfig(mode="enforce", actions=("reset",), grace_seconds=0, max_cancels_per_minute=1)
 S = 1_000_000_000
@@ -142,3 +149,89 @@ def test_a_handler_that_raised_is_tried_again() -> None:
         watch.close()
 
     run_async(scenario())
+
+
+def failing_then(ok_after: int) -> CancelHandler:
+    """An engine's cancel handler that fails its first `ok_after` calls (its device work
+    did not finish in time, say), then frees the request."""
+    calls: list[str] = []
+
+    def handler(request_id: str, reason: str) -> CancelOutcome:
+        calls.append(request_id)
+        if len(calls) <= ok_after:
+            return CancelOutcome(request_id, "failed", 0, 0, detail="device work timed out")
+        return CancelOutcome(request_id, "cancelled", 2, 2 * BYTES_PER_BLOCK)
+
+    return handler
+
+
+async def cancel_on_stall(
+    socket_path: str, connections: StalledConnections, ok_after: int, tries: int
+) -> tuple[Decider, list[float | None], SocketSample]:
+    """A stalled stream of a real engine hook, cancelled through the decider: `tries` calls
+    of the stall timers' handler, their answers, and the stalled record."""
+    policy = PolicyConfig(mode="enforce", actions=("cancel",), grace_seconds=0)
+    handler = failing_then(ok_after)
+    answers: list[float | None] = []
+    async with running_server(socket_path) as (hooks, _), engine_hook(socket_path, handler) as hook:
+        actions = Actions(hooks, "/proc")
+        decider = Decider(
+            policy,
+            lambda sample: RelayIndex(()).behind(sample, hooks),
+            Joiner(Procfs(), GpuInventory()),
+            actions,
+            AuditLog(None, echo=None),
+            Timelines(16),
+        )
+        sample = connections.sample(key=7, pid=os.getpid())
+        hook.stream_opened(
+            "cmpl-retry",
+            (sample.local.ip, sample.local.port),
+            (sample.remote.ip, sample.remote.port),
+            2,
+        )
+        await wait_until(lambda: hooks.live("cmpl-retry"))
+        for _ in range(tries):
+            answers.append(await decider.on_stalled(sample, verdict(sample)))
+        actions.close()
+    return decider, answers, sample
+
+
+def test_a_failed_cancel_is_tried_again_within_the_episode_and_charged_once(
+    socket_path: str, stalled_connections: StalledConnections
+) -> None:
+    async def scenario() -> None:
+        decider, answers, sample = await cancel_on_stall(
+            socket_path, stalled_connections, ok_after=1, tries=2
+        )
+        assert answers == [RETRY_DELAYS_SECONDS[0], None]
+        assert dict(decider.decisions) == {("act", "stalled"): 1}
+        outcomes = [e for e in decider.events if e["kind"] == "outcome"]
+        assert [(o["status"], o["attempt"]) for o in outcomes] == [
+            ("failed", 1),
+            ("cancelled", 2),
+        ]
+        assert decider.budget.remaining(time.monotonic()) == decider.budget.per_minute - 1
+        assert decider.failure_of(sample) is None
+
+    run_async(scenario())
+
+
+def test_an_action_that_fails_every_try_is_shown_failed_and_gives_its_budget_back(
+    socket_path: str, stalled_connections: StalledConnections
+) -> None:
+    async def scenario() -> None:
+        tries = len(RETRY_DELAYS_SECONDS) + 1
+        decider, answers, sample = await cancel_on_stall(
+            socket_path, stalled_connections, ok_after=99, tries=tries + 1
+        )
+        assert answers == [*RETRY_DELAYS_SECONDS, None, None]  # the last call: done
+        outcomes = [e for e in decider.events if e["kind"] == "outcome"]
+        assert [o["attempt"] for o in outcomes] == list(range(1, tries + 1))
+        assert {o["status"] for o in outcomes} == {"failed"}
+        failure = decider.failure_of(sample)
+        assert failure is not None and failure["actions"] == ["cancel"]
+        assert failure["tries"] == tries and failure["request_id"] == "cmpl-retry"
+        assert decider.budget.remaining(time.monotonic()) == decider.budget.per_minute
+
+    run_async(scenario(), timeout_seconds=60)

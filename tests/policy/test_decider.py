@@ -287,7 +287,7 @@ def test_a_cancel_no_engine_answers_is_audited_and_gives_its_budget_back(
 def test_a_young_stream_is_looked_at_again_and_each_new_reason_is_one_line(
     tmp_path: Path, socket_path: str, stalled_connections: StalledConnections
 ) -> None:
-    policy = PolicyConfig(mode="observe", actions=("cancel",), grace_seconds=30)
+    policy = PolicyConfig(mode="observe", actions=("cancel",), grace_seconds=90)
 
     async def scenario() -> None:
         async with running_agent(tmp_path, socket_path, policy) as agent:
@@ -295,11 +295,28 @@ def test_a_young_stream_is_looked_at_again_and_each_new_reason_is_one_line(
             agent.engines[sample.key] = announced(sample, age_seconds=5)
             for _ in range(3):  # the timers look again every RECHECK_SECONDS
                 assert await agent.stalled(sample) == RECHECK_SECONDS
-            agent.engines[sample.key] = announced(sample, age_seconds=31)  # grace is over
+            agent.engines[sample.key] = announced(sample, age_seconds=91)  # grace is over
             assert await agent.stalled(sample) is None
             reasons = [(line["verdict"], line["reason"]) for line in agent.audit_lines()]
             assert reasons == [("skip", "in_grace"), ("would_act", "stalled")]
             assert agent.decider.decisions == {("skip", "in_grace"): 1, ("would_act", "stalled"): 1}
+
+    run_async(scenario())
+
+
+def test_a_stall_older_than_its_announcement_is_not_in_grace(
+    tmp_path: Path, socket_path: str, stalled_connections: StalledConnections
+) -> None:
+    """An agent restarted mid-stall hears the engine announce the stream again, or not yet:
+    the stall, a minute old by the kernel's clocks, is not a young stream either way."""
+    policy = PolicyConfig(mode="observe", actions=("reset",), grace_seconds=30)
+
+    async def scenario() -> None:
+        async with running_agent(tmp_path, socket_path, policy) as agent:
+            sample = stalled(stalled_connections).with_changes(first_seen_ns=time.monotonic_ns())
+            assert await agent.stalled(sample) is None
+            (line,) = agent.audit_lines()
+            assert (line["verdict"], line["reason"]) == ("would_act", "stalled")
 
     run_async(scenario())
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from kvwatch.api.routes import build_app
+from kvwatch.collect.table import connection_key
 from kvwatch.config import load_config
 from kvwatch.daemon.core import Daemon
 from kvwatch.hook import CancelOutcome, EngineHook
@@ -113,7 +114,7 @@ def test_diag_mode_explain_is_live_only_while_the_socket_exists(
             await wait_until(lambda: daemon.timelines.find("cmpl-diag") is not None)
             await wait_until(lambda: len(daemon.samples()) == 1)
             assert (await explain(daemon))["live"] is True
-            (key,) = (sample.key for sample in daemon.samples())
+            (key,) = (connection_key(sample) for sample in daemon.samples())
             daemon.decider._last[key] = ((0, "would_act", "stalled"), {}, {})  # as after a decision
             client.close()
             accepted.close()

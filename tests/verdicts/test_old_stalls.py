@@ -125,3 +125,23 @@ def test_one_action_per_stall_episode_over_200_stalls(
         r'kvwatch_policy_decisions_total\{reason="stalled",verdict="act"\} (\d+)', agent.metrics()
     )
     assert counted is not None and float(counted.group(1)) == 200
+
+
+def test_fifty_stalls_older_than_the_agent_get_one_decision_each(
+    labs: Callable[[Link], Lab], agent: Agent
+) -> None:
+    """The start-up sock_diag view and BPF both see each old stall: one decision each,
+    whichever sees it first (observe mode: would_act is decided once per episode too)."""
+    lab = labs(Link())
+    readers = [lab.connect(Reader(f"old-{n}", "4k", 0, read_seconds=0)) for n in range(50)]
+    time.sleep(4)  # every buffer full, every stall due before the agent starts
+    agent.start("--mode", "observe")
+    deadline = time.monotonic() + 30
+    decided = lambda: {e["remote"] for e in agent.audit_entries("decision")}  # noqa: E731
+    while len(decided()) < len(readers):
+        assert time.monotonic() < deadline, f"{len(decided())} of 50 decided"
+        time.sleep(0.5)
+    time.sleep(3)  # room for a second decision, were there one
+    decisions = [e for e in agent.audit_entries("decision") if e["verdict"] == "would_act"]
+    assert sorted(e["remote"] for e in decisions) == sorted(r.local for r in readers)
+    assert not [r for r in readers if r.reset_ns]

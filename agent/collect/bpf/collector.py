@@ -126,6 +126,7 @@ class BpfCollector:
     def __init__(self, settings: CollectorSettings, backend: BpfBackend = "core") -> None:
         self.programs = load_programs(settings, backend)
         self._converted: dict[int, tuple[bytes, SocketSample]] = {}
+        self._evicted = 0
 
     @property
     def report(self) -> AttachReport:
@@ -135,7 +136,9 @@ class BpfCollector:
         """Every tracked socket. Only records whose bytes changed since the last call are
         converted again (on an idle node almost none are), so a sample's `observed_ns` is when
         its record was last read changed."""
+        created_before = read_stats(self.programs.stats_fd)["records_created"]
         raw_records = self.programs.table.read_raw()
+        self._note_table(created_before, len(raw_records))
         now_ns = time.monotonic_ns()
         converted: dict[int, tuple[bytes, SocketSample]] = {}
         for key, raw in raw_records.items():
@@ -155,14 +158,29 @@ class BpfCollector:
         return record_to_sample(record, time.monotonic_ns()) if record is not None else None
 
     def stats(self, tracked: int | None = None) -> dict[str, int]:
-        """Kernel-side counters; `evictions` are records the LRU map dropped to make room
-        (socket-local storage never evicts: a record lives as long as its socket)."""
+        """Kernel-side counters. `tracked` is the table's size (the caller's count of what
+        it just read, else read here); `evictions` the records the LRU map dropped to make
+        room, as of the newest read of the whole table (socket-local storage never evicts:
+        a record lives as long as its socket, so it is always 0 there)."""
+        if tracked is None:
+            created_before = read_stats(self.programs.stats_fd)["records_created"]
+            tracked = len(self.programs.table.read_raw())
+            self._note_table(created_before, tracked)
         totals = read_stats(self.programs.stats_fd)
-        live = tracked if tracked is not None else len(self.programs.table.read_raw())
-        totals["tracked"] = live
-        removed = totals["records_created"] - totals["records_deleted"] - live
-        totals["evictions"] = max(0, removed)
+        totals["tracked"] = tracked
+        totals["evictions"] = self._evicted
         return totals
+
+    def _note_table(self, created_before: int, live: int) -> None:
+        """Counts evictions after a read of the whole table that held `live` records: a
+        lower bound that never runs ahead of them — records created before the read, less
+        those deleted by its end (a socket that opened or closed during the read makes the
+        count smaller, never larger: the map is read bucket by bucket, so a record that
+        stays is read once), less what it held; never going down."""
+        if self.report.storage != "lru_hash":
+            return
+        deleted_after = read_stats(self.programs.stats_fd)["records_deleted"]
+        self._evicted = max(self._evicted, created_before - deleted_after - live)
 
     def open_events(self, handler: Callable[[SocketEvent], None]) -> EventRing:
         return EventRing(self.programs.events_fd, lambda raw: handler(SocketEvent.from_raw(raw)))

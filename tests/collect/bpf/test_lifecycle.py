@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import resource
 import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -88,6 +90,36 @@ def test_two_thousand_concurrent_sockets_are_all_tracked(
     )
     assert tracked == 2000
     assert collector.stats()["evictions"] == 0
+
+
+@pytest.mark.slow
+def test_churn_in_a_table_with_room_counts_no_eviction(
+    scenario: Scenario, open_collector: Callable[..., BpfCollector]
+) -> None:
+    """Connections opening and closing while the table is read: nothing is evicted, and the
+    count says so (it once raced: a socket opened during the read counted as evicted)."""
+    collector = open_collector(ports=(scenario.port,))
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            with socket.create_connection(("127.0.0.1", scenario.port)) as client:
+                client.sendall(b"x")
+
+    churners = [threading.Thread(target=churn, daemon=True) for _ in range(4)]
+    for thread in churners:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            collector.samples()
+            assert collector.stats()["evictions"] == 0
+            assert collector.stats(tracked=0)["evictions"] == 0
+    finally:
+        stop.set()
+        for thread in churners:
+            thread.join(timeout=5)
+    assert collector.stats()["records_created"] > 100
 
 
 @pytest.mark.slow

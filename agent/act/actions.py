@@ -11,8 +11,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwatch.act.confirm import CheckedViews, KernelCheck, check
+from kvwatch.act.confirm import KernelCheck, check
 from kvwatch.collect.diag.destroy import DestroyResult, destroy_socket
+from kvwatch.collect.diag.kernel_view import CheckedViews
 from kvwatch.collect.diag.snapshot import DiagClient
 from kvwatch.collect.diag.wire import DiagEntry
 from kvwatch.collect.netns import socket_namespace

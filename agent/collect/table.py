@@ -17,6 +17,7 @@ from typing import Literal, Protocol, get_args
 
 from kvwatch.collect.bpf.collector import BpfBackend, BpfCollector
 from kvwatch.collect.bpf.loader import BTF_PATH, AttachReport, CollectorSettings
+from kvwatch.collect.diag.kernel_view import TCP_CLOSE_WAIT, CheckedViews
 from kvwatch.collect.diag.namespaces import NamespacedDiag
 from kvwatch.collect.diag.tracker import DiagTracker
 from kvwatch.collect.procfs import Procfs, SocketOwners
@@ -145,6 +146,7 @@ class MergedCollector:
         # Inodes of sockets seen with their sender closed, whose owner was looked up again
         # (bounded: forgotten together once it grows past CLOSED_INODES_KEPT).
         self._closed_inodes: set[int] = set()
+        self.checked = CheckedViews()
         # The bootstrap snapshot is taken now, at attach time, so a socket that was already
         # stalled is timed from the agent's start, not from its first report.
         self.handover.update((connection_key(s), s) for s in diag.samples())
@@ -181,7 +183,20 @@ class MergedCollector:
         return self.admit(fresh) if fresh is not None else None
 
     def admit(self, sample: SocketSample) -> SocketSample:
-        return self._carried(self._with_owner(sample))
+        return self._in_kernel_view(self._carried(self._with_owner(sample)))
+
+    def _in_kernel_view(self, sample: SocketSample) -> SocketSample:
+        """A socket in CLOSE_WAIT with data pending (its client half-closed and reads on) is
+        acknowledged out of the ACK path's sight: its record is brought up to the kernel's
+        view (collect/diag/kernel_view.py) each time it passes the door."""
+        if sample.tcp_state != TCP_CLOSE_WAIT or not sample.pending_bytes:
+            self.checked.forget(sample.key)
+            return sample
+        try:
+            entry, observed_ns = self.diag.client.find(sample.netns, sample.local, sample.remote)
+        except KvwatchError:
+            return sample
+        return self.checked.refresh(sample, entry, observed_ns) if entry is not None else sample
 
     def _carried(self, sample: SocketSample) -> SocketSample:
         if not self.handover:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import time
 
-from kvwatch.act.confirm import CheckedViews, check
+from kvwatch.act.confirm import check
+from kvwatch.collect.diag.kernel_view import CheckedViews
 from kvwatch.streams.states import StatePolicy, judge
 from tests.act.stalled import StalledConnections, kernel_view
 

@@ -14,9 +14,11 @@ from collections.abc import Collection
 from pathlib import Path
 
 from kvwatch.collect.diag.snapshot import DiagClient, DiagSnapshot
+from kvwatch.collect.diag.wire import DiagEntry
 from kvwatch.collect.netns import network_namespace
 from kvwatch.collect.procfs import Procfs
 from kvwatch.errors import KvwatchError
+from kvwatch.sockets import Endpoint
 
 RESCAN_SECONDS = 5.0
 
@@ -44,6 +46,16 @@ class NamespacedDiag:
                     raise
                 self._drop(netns)
         return taken
+
+    def find(self, netns: int, local: Endpoint, remote: Endpoint) -> tuple[DiagEntry | None, int]:
+        """The kernel's view of one socket of namespace `netns` and when it was taken
+        (CLOCK_MONOTONIC ns); KvwatchError when that namespace cannot be reached."""
+        self._rescan()
+        client = self._clients.get(netns)
+        if client is None:
+            raise KvwatchError(f"network namespace {netns} is not reachable", "nothing to read")
+        observed_ns = time.monotonic_ns()
+        return client.find(local, remote), observed_ns
 
     def _rescan(self) -> None:
         now = time.monotonic_ns()

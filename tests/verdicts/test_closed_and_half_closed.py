@@ -21,6 +21,11 @@ from .readers import Reader
 from .token_server import EVENT
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+# The default attach (tp_btf, records in socket storage) and the one kprobe-less kernels
+# without BTF-typed programs get (raw_tp send path, records in the LRU hash).
+ATTACHES = pytest.mark.parametrize(
+    "attach", [(), ("--send-mode", "raw_tp")], ids=["tp_btf-sk_storage", "raw_tp-lru_hash"]
+)
 
 GUARANTEE = DEFAULT_MIN_READER_BYTES_PER_SECOND
 BURST_BYTES = 150_000
@@ -37,10 +42,11 @@ def wait_for(condition: Callable[[], bool], timeout_seconds: float) -> None:
         time.sleep(0.2)
 
 
+@ATTACHES
 def test_a_server_that_closed_while_the_kernel_drains_is_never_cut(
-    labs: Callable[[Link], Lab], agent: Agent
+    labs: Callable[[Link], Lab], agent: Agent, attach: tuple[str, ...]
 ) -> None:
-    agent.start()
+    agent.start(*attach)
     lab = labs(Link(0, 0.0))
     request = f"burst {BURST_BYTES} {LINGER_SECONDS}\n".encode()
     live = [
@@ -62,10 +68,11 @@ def test_a_server_that_closed_while_the_kernel_drains_is_never_cut(
     assert (row["state"], row["orphaned"], row["pid"]) == ("closed", True, 0), row
 
 
+@ATTACHES
 def test_a_half_closed_client_that_reads_on_is_never_cut_and_a_dead_one_is(
-    labs: Callable[[Link], Lab], agent: Agent
+    labs: Callable[[Link], Lab], agent: Agent, attach: tuple[str, ...]
 ) -> None:
-    agent.start()
+    agent.start(*attach)
     lab = labs(Link(0, 0.0))
     live = lab.connect(Reader("half-closed-live-64k", "64k", 3 * GUARANTEE // 2, half_close=True))
     dead = lab.connect(

@@ -233,7 +233,11 @@ static __always_inline int KV_FN(kv_on_send_tracepoint)(struct sock *sk, int ret
 	return KV_FN(kv_on_send)(sk, ret, false);
 }
 /*
- * ACK path (tcp_probe): every segment an established socket receives. A segment that comes
+ * ACK path (tcp_probe): every segment an ESTABLISHED socket receives, and only those:
+ * tcp_probe fires in tcp_rcv_established, and segments in any other state (CLOSE_WAIT,
+ * FIN_WAIT1, LAST_ACK, ...) go through tcp_rcv_state_process, where no tracepoint fires per
+ * segment. The agent reads such sockets from tcp_info instead (kvwatch.collect.diag.kernel_view).
+ * A segment that comes
  * while the window is shut, acknowledges nothing new and leaves it shut is the peer's
  * answer to a zero-window probe: the agent's proof that a stalled reader did not move, so
  * it is sent as an event (at most one per KV_ZERO_WINDOW_ANSWER_GAP_NS). Every segment

@@ -70,10 +70,13 @@ def with_kernel_view(
         "unacked_bytes": entry.unacked_bytes,
         "wmem_queued": entry.wmem_queued,
         "sndbuf": entry.sndbuf,
-        "probe_backoff": max(sample.probe_backoff, info.backoff),
     }
     if heard > sample.last_ack_ns + HEARD_SLACK_NS:
+        # The judge times the probes from the newest answer with the backoff as it was
+        # then: tcpi_backoff has since grown by one for each probe sent and not answered
+        # (tcpi_probes, reset by every ACK).
         changes["last_ack_ns"] = heard
+        changes["probe_backoff"] = max(0, info.backoff - info.probes)
     if info.bytes_acked > sample.bytes_acked:
         changes["bytes_acked"] = info.bytes_acked
         changes["progress_ns"] = max(sample.progress_ns, progress_by_ns)

@@ -15,6 +15,7 @@ from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.collect.bpf.loader import CollectorSettings
 from kvwatch.collect.bpf.maps import EventRing
 from kvwatch.collect.gpu import GpuInventory, NvmlApi
+from kvwatch.collect.listeners import ListeningPorts
 from kvwatch.collect.procfs import Procfs
 from kvwatch.collect.table import (
     MergedCollector,
@@ -32,7 +33,7 @@ from kvwatch.policy.audit import AuditLog
 from kvwatch.policy.decide import Decider
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.join import Joiner, StreamView
-from kvwatch.streams.relay import RelayIndex, RelayLink
+from kvwatch.streams.relay import FeedLedger, RelayIndex, RelayLink
 from kvwatch.streams.stall_timers import StallTimers
 from kvwatch.streams.states import StallJudgement, stall_since_ns
 from kvwatch.streams.timeline import Timelines, connection_id
@@ -72,6 +73,10 @@ class Daemon:
         self.actions = Actions(self.hooks, config.path.procfs)
         self.audit = AuditLog(config.audit.path or None)
         self.timelines = Timelines(config.streams.history_size)
+        # What relay joins keep between looks: each client socket's feed counts (noted from
+        # every sample the daemon takes in) and the listening ports of each namespace.
+        self.feed_ledger = FeedLedger()
+        self.listeners = ListeningPorts(config.path.procfs)
         self.decider = Decider(
             config.policy, self.behind, self.joiner, self.actions, self.audit, self.timelines
         )
@@ -156,6 +161,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         samples = await loop.run_in_executor(self._collect, self.opened.collector.samples)
         previous, self._samples = self._samples, {sample.key: sample for sample in samples}
+        self.feed_ledger.note_all(samples)
         if self.bpf is None:  # sock_diag polling has no close events: a vanished socket closed
             for key in previous.keys() - self._samples.keys():
                 self.stall_timers.forget(key)
@@ -201,7 +207,10 @@ class Daemon:
         assert self.opened is not None
         loop = asyncio.get_running_loop()
         fresh = await loop.run_in_executor(self._collect, self.opened.collector.sample, key)
-        return fresh if fresh is not None else self._samples.get(key)
+        if fresh is None:
+            return self._samples.get(key)
+        self.feed_ledger.note(fresh)
+        return fresh
 
     def samples(self) -> list[SocketSample]:
         return list(self._samples.values())
@@ -233,7 +242,12 @@ class Daemon:
         return relays.behind(sample, self.hooks)
 
     def _relays(self) -> RelayIndex:
-        return RelayIndex(self._samples.values(), self.decider.cancels)
+        return RelayIndex(
+            self._samples.values(),
+            listeners=self.listeners,
+            ledger=self.feed_ledger,
+            cancels=self.decider.cancels,
+        )
 
     def stream_views(self) -> list[StreamView]:
         now_ns = time.monotonic_ns()
@@ -266,6 +280,7 @@ class Daemon:
                 self.durations.zero_window_ended((event.ts_ns - started) / 1e9)
         if event.kind == "close":
             self._samples.pop(key, None)
+            self.feed_ledger.forget(key)
             self._zero_window_started.pop(key, None)
             self.stall_timers.forget(key)
             self.decider.forget(sample)
@@ -277,6 +292,7 @@ class Daemon:
             )
             return
         self._samples[key] = sample
+        self.feed_ledger.note(sample)
         self._observe(sample, event.ts_ns)
 
     def _last_view_json(self, sample: SocketSample) -> dict[str, object] | None:

@@ -7,7 +7,10 @@
    pods, so a socket whose owner cannot be found is never acted on;
 3. no deny rule matches ("denied_by_rule") and every non-empty allow list does
    ("not_allowed_by_rule"). Behind a proxy the deny rules hold for the relaying process too;
-3a. a proxy's client socket whose engine request has already ended pins no KV
+3a. the engine's own socket behind a proxy, relayed to a client socket that carries its
+   data, is not acted on ("relayed"): its stall is measured against the proxy's buffers,
+   not the client's, and the client socket at the proxy decides (kvwatch.streams.relay);
+   a proxy's client socket whose engine request has already ended pins no KV
    ("request_ended": the rest of the response waits in buffers and finishes on its own);
    one whose request kvwatch cancelled (judged first on the engine's own socket) is reset
    at once, whatever `policy.actions` says, so its client is not left waiting: the checks
@@ -65,8 +68,9 @@ class Candidate:
     `kv_bytes` is None when no engine announced the stream; `age_seconds` counts from when the
     connection (or stream) was first seen; `has_engine_hook` says an engine announced it, so
     it can be cancelled. `relay` is the proxy that writes the socket and `relay_status` how
-    its upstream joined the request (kvwatch.streams.relay), both None for a socket no relay
-    writes.
+    its upstream joined the request (kvwatch.streams.relay); for the engine's own socket
+    behind a proxy, the proxy that reads it and "relayed"; both None for a socket no relay
+    writes or reads.
     """
 
     request_id: str | None
@@ -204,6 +208,13 @@ def _refusal(candidate: Candidate, config: PolicyConfig) -> Decision | None:
     not_allowed = _not_allowed(candidate, config)
     if not_allowed is not None:
         return _skip("not_allowed_by_rule", not_allowed)
+    if candidate.relay_status == "relayed":
+        return _skip(
+            "relayed",
+            "the engine's peer is a proxy that relays this socket to a client socket "
+            "carrying its data: that socket's stall decides, with the client's own buffers "
+            "(the relay link names it)",
+        )
     if candidate.relay_status == "request_ended":
         return _skip(
             "request_ended",

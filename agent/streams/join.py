@@ -23,9 +23,10 @@ class StreamView:
     """Everything known about one stream at `now_ns`; the unit of policy, API and metrics.
 
     `engine` is the request the socket carries: announced on the socket itself, or, for a
-    proxy's client socket, on the upstream that `relay` links it to (`relay` is None for a
-    socket no relay writes). `process` is the engine's (else the socket owner's), and
-    `relay_process` the relaying process's."""
+    proxy's client socket, on the upstream that `relay` links it to. `relay` is None for a
+    socket no relay writes or reads: for the engine's own socket behind a proxy it is the
+    `relayed` link to the proxy's client socket that decides for it. `process` is the
+    engine's (else the socket owner's), and `relay_process` the relaying process's."""
 
     sample: SocketSample
     judgement: StallJudgement
@@ -54,7 +55,8 @@ class StreamView:
 
     @property
     def socket_pid(self) -> int:
-        """Who owns the socket itself: the relay for a proxy's client socket."""
+        """Who owns the socket itself: the collector's finding for a socket with a relay link
+        (the relay, for a proxy's client socket), else the engine that announced it."""
         return self.sample.pid if self.relay is not None else self.owner_pid
 
     @property
@@ -62,7 +64,7 @@ class StreamView:
         """`client ⇄ nginx[812] ⇄ engine request cmpl-1` for a relayed socket, else None."""
         if self.relay is None:
             return None
-        return self.relay.chain(self.sample.remote, self.engine.request_id if self.engine else None)
+        return self.relay.chain(self.engine.request_id if self.engine else None)
 
     def to_json(self) -> dict[str, Any]:
         """The `kvwatch streams --json` contract: the socket plus the join."""
@@ -144,7 +146,7 @@ class Joiner:
             gpus=self.gpu_use(pid),
             now_ns=now_ns,
             relay=relay,
-            relay_process=self.process(sample.pid) if relay is not None else None,
+            relay_process=self.process(relay.relay_pid) if relay is not None else None,
         )
 
     def forget_processes(self) -> None:

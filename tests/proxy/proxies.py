@@ -5,7 +5,10 @@ the foreground on loopback from a work directory, and stopped with its workers.
 With the kernel's default buffers, a proxy's client socket autotunes its send buffer to
 megabytes and absorbs a whole response of the reference engine; `small_buffers` caps it at
 16 KiB (nginx `listen … sndbuf=`, haproxy `tune.sndbuf.client`), so a client that stops
-reading blocks the engine as it would for a long generation."""
+reading blocks the engine as it would for a long generation. haproxy can also bound its
+upstream socket's receive buffer (`tune.rcvbuf.server`, `upstream_rcvbuf`): the engine's own
+socket then sees a window of a few kilobytes, and stalls whenever the client side of the proxy
+holds still."""
 
 from __future__ import annotations
 
@@ -61,14 +64,18 @@ http {{
 """
 
 
-def haproxy_config(workdir: Path, port: int, upstream_port: int, small_buffers: bool) -> str:
+def haproxy_config(
+    workdir: Path, port: int, upstream_port: int, small_buffers: bool, upstream_rcvbuf: int = 0
+) -> str:
     sndbuf = f"tune.sndbuf.client {SMALL_SNDBUF_BYTES}" if small_buffers else ""
+    rcvbuf = f"tune.rcvbuf.server {upstream_rcvbuf}" if upstream_rcvbuf else ""
     return f"""
 global
     maxconn 1000
     nbthread 2
     pidfile {workdir}/haproxy.pid
     {sndbuf}
+    {rcvbuf}
 
 defaults
     mode http
@@ -102,8 +109,12 @@ class Proxy:
         self.service.stop()
 
 
-def start_proxy(name: str, workdir: Path, upstream_port: int, small_buffers: bool) -> Proxy:
-    """Starts `name` in front of 127.0.0.1:`upstream_port`; returns once it accepts."""
+def start_proxy(
+    name: str, workdir: Path, upstream_port: int, small_buffers: bool, upstream_rcvbuf: int = 0
+) -> Proxy:
+    """Starts `name` in front of 127.0.0.1:`upstream_port`; returns once it accepts.
+    `upstream_rcvbuf` (haproxy only) bounds its upstream socket's receive buffer."""
+    assert name == "haproxy" or not upstream_rcvbuf, f"{name} has no upstream_rcvbuf setting here"
     binary = shutil.which(name) or f"/usr/sbin/{name}"
     if not Path(binary).exists():
         raise AssertionError(f"{name} is not installed: run scripts/setup.sh")
@@ -122,7 +133,9 @@ def start_proxy(name: str, workdir: Path, upstream_port: int, small_buffers: boo
             str(workdir / "nginx-error.log"),
         ]
     else:
-        config.write_text(haproxy_config(workdir, port, upstream_port, small_buffers))
+        config.write_text(
+            haproxy_config(workdir, port, upstream_port, small_buffers, upstream_rcvbuf)
+        )
         command = [binary, "-f", str(config), "-db"]
     log = workdir / f"{name}.log"
     with log.open("wb") as out:

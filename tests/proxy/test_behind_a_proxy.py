@@ -9,7 +9,15 @@ watches the proxy's port and the engine's; the proxy sends X-Forwarded-For.
   request on its own while its client is stalled: that client is left alone, even with
   reset configured ("request_ended");
 - upstream keep-alive: a client socket stalled on an earlier request does not inherit the
-  next request its upstream connection carries.
+  next request its upstream connection carries, and is left alone ("request_ended");
+- haproxy with bounded buffers: a client that reads slowly but above the reader guarantee
+  is never cut, although the engine's own socket stalls (it sees only haproxy's few KB of
+  upstream buffer): that socket defers to the client socket at the proxy ("relayed").
+
+A client here asks the proxy to close its connection after the response, unless the test
+says it keeps it alive: a proxy closes such a client socket once the response is in the
+kernel's hands, and a socket its process closed is never acted on, so a test about the
+decision on a stalled client that outlived its request keeps the connection alive.
 """
 
 from __future__ import annotations
@@ -43,6 +51,12 @@ DEFAULT_BUFFERS_GUARANTEE = 16384
 LONG_TOKENS = 1400  # ~250 KB, ~3 s at the reference engine's ~500 tokens/s (context: 2048)
 SHORT_TOKENS = 500  # ~90 KB, done in ~1 s
 SETTLE_SECONDS = 12.0
+# Issue 21: haproxy's upstream receive buffer bounded to 4 KB (8 KB with the kernel's
+# doubling), its client send buffer to 16 KB, and a client with a 64 KB receive buffer that
+# reads 5.5 KB/s: the engine's socket stalls for tens of seconds at a time while the client
+# drains its own buffer, and is judged stalled after ~3.2 s of it.
+BOUNDED_UPSTREAM_RCVBUF = 4096
+SLOW_READER = 5632
 
 
 @pytest.fixture(params=PROXIES)
@@ -66,12 +80,16 @@ def start_agent(stack: Stack, proxy: Proxy, *args: str) -> None:
     stack.wait_engine_connected()
 
 
-def through(proxy: Proxy, reader: Reader, max_tokens: int) -> Reader:
-    """Starts `reader` on a streaming completion through the proxy; X-Request-Id is its name."""
+def through(proxy: Proxy, reader: Reader, max_tokens: int, keep_alive: bool = False) -> Reader:
+    """Starts `reader` on a streaming completion through the proxy; X-Request-Id is its name.
+    The request asks the proxy to close the connection after the response, unless
+    `keep_alive`."""
     body = completion_body("completions", "kvwatch-reference-tiny", demo.PROMPT, max_tokens)
     request = build_request(
         Target.parse(f"http://127.0.0.1:{proxy.port}"), "POST", "/v1/completions", body, reader.name
     )
+    if keep_alive:
+        request = request.replace(b"Connection: close", b"Connection: keep-alive", 1)
     reader.eof_ends = True
     reader.connect(socket.socket(), "127.0.0.1", proxy.port, request)
     return reader
@@ -166,7 +184,9 @@ def test_default_buffers_a_request_that_finished_into_them_is_left_alone(
     start_agent(
         stack, proxy, "--action", "reset", "--min-reader-rate", str(DEFAULT_BUFFERS_GUARANTEE)
     )
-    held = through(proxy, client("held", "default", 0, read_seconds=0), LONG_TOKENS)
+    held = through(
+        proxy, client("held", "default", 0, read_seconds=0), LONG_TOKENS, keep_alive=True
+    )
     try:
         decision = wait_for(
             lambda: next(iter(stack.audit_entries("decision")), None),
@@ -189,32 +209,88 @@ def test_default_buffers_a_request_that_finished_into_them_is_left_alone(
 def test_a_client_stalled_on_an_earlier_request_does_not_inherit_the_next(
     proxied: tuple[Stack, Proxy],
 ) -> None:
-    """One request finishes into a stalled client's buffers; the upstream connection it came
-    on is kept alive and may carry the next client's request (nginx's keepalive pool, haproxy's
-    http-reuse), with two workers or threads. Observe mode: nothing acts."""
+    """One request finishes into a stalled client's buffers (a kept-alive client connection,
+    so the proxy keeps its socket); the upstream connection it came on is kept alive and may
+    carry the next client's request (haproxy's http-reuse; nginx's keepalive pool, per
+    worker). The first client's socket is judged stalled ~3 s later: its request has ended
+    ("request_ended", the upstream now carrying the second request or none), and it is not
+    reset, although the second client's socket was fed by the same upstream since (issue 21:
+    it was `ambiguous`, and reset)."""
     stack, proxy = proxied
-    stack.start_agent("--port", str(stack.engine_port), port=proxy.port)
-    stack.wait_engine_connected()
-    first = through(proxy, client("first", "default", 0, read_seconds=0), SHORT_TOKENS)
+    start_agent(stack, proxy, "--action", "cancel", "--action", "reset")
+    first = through(proxy, client("first", "4k", 0, read_seconds=0), SHORT_TOKENS, keep_alive=True)
     second: Reader | None = None
     try:
         wait_for(lambda: first.bytes_read, 5, "the first client's first bytes")
         time.sleep(2)  # the first request finishes into the buffers
         second = through(proxy, client("second", "4k", 2 * GUARANTEE), LONG_TOKENS)
+        decision = wait_for(
+            lambda: next(
+                (d for d in stack.audit_entries("decision") if d["remote"] == first.local), None
+            ),
+            SETTLE_SECONDS,
+            "a decision on the first client",
+        )
         second_row = wait_for(
             lambda: (row := stream_row(stack, second.local)) and row["request_id"] and row,
             SETTLE_SECONDS,
             "the second client's socket joined",
         )
-        first_row = stream_row(stack, first.local)
+        time.sleep(1)  # an action would follow the decision within milliseconds
     finally:
         first.close()
         if second is not None:
             second.close()
+    assert (decision["verdict"], decision["reason"]) == ("skip", "request_ended"), decision
+    assert decision["evidence"]["relay"]["status"] == "request_ended", decision
+    assert not [o for o in stack.audit_entries("outcome") if o["remote"] == first.local]
+    assert not first.reset_ns
     assert second_row["request_id"] == "cmpl-second", second_row
     assert second_row["relay"]["status"] == "joined", second_row
-    # haproxy closes a client connection whose response it has handed to the kernel; nginx
-    # keeps it, and often hands its upstream connection to the next request.
-    if first_row is not None:
-        assert first_row["request_id"] is None, first_row
-        assert first_row["relay"]["status"] == "request_ended", first_row
+
+
+@pytest.fixture
+def bounded_haproxy(tmp_path: Path) -> Iterator[tuple[Stack, Proxy]]:
+    """The engine behind haproxy with bounded buffers: its upstream receive buffer and its
+    client send buffer."""
+    stack = Stack(tmp_path)
+    proxy = None
+    try:
+        stack.start_engine()
+        proxy = start_proxy(
+            "haproxy", tmp_path, stack.engine_port, True, upstream_rcvbuf=BOUNDED_UPSTREAM_RCVBUF
+        )
+        yield stack, proxy
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        stack.close()
+
+
+def test_a_slow_live_reader_behind_haproxy_is_never_cut_for_the_engines_stall(
+    bounded_haproxy: tuple[Stack, Proxy],
+) -> None:
+    """Issue 21, part 3: the end client reads 5.5 KB/s, above the reader guarantee, through a
+    64 KB buffer. The engine's own socket sees only haproxy's few KB of upstream buffer and is
+    judged stalled while the client drains its own buffer; judged alone, its request was
+    cancelled. Its peer is haproxy's upstream, which feeds the client's socket at the proxy:
+    that socket decides, and the engine's socket is `relayed`. The client gets every byte."""
+    stack, proxy = bounded_haproxy
+    start_agent(stack, proxy, "--action", "cancel", "--action", "reset")
+    reader = through(proxy, client("slow", "64k", SLOW_READER), LONG_TOKENS)
+    try:
+        wait_for(lambda: reader.ended_ns or reader.reset_ns, 90, "the slow client's end")
+    finally:
+        reader.close()
+    engine_side = f"127.0.0.1:{stack.engine_port}"
+    decisions = stack.audit_entries("decision")
+    relayed = [d for d in decisions if d["local"] == engine_side and d["reason"] == "relayed"]
+    assert relayed, decisions  # the engine's socket was judged stalled, and deferred
+    evidence = relayed[0]["evidence"]
+    assert relayed[0]["request_id"] == "cmpl-slow" and evidence["state"] == "stalled", evidence
+    relay = evidence["relay"]
+    assert relay["status"] == "relayed" and relay["comm"] == "haproxy", relay
+    assert relay["chain"] == f"{reader.local} ⇄ haproxy[{relay['pid']}] ⇄ engine request cmpl-slow"
+    assert [d for d in decisions if d["verdict"] != "skip"] == []
+    assert stack.audit_entries("outcome") == []
+    assert finished_cleanly(reader), reader

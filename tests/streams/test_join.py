@@ -151,7 +151,7 @@ def test_the_process_and_gpu_memory_are_the_announcing_engines(procfs: Procfs) -
 def test_a_proxys_client_socket_names_the_engine_and_the_relay(procfs: Procfs) -> None:
     upstream = Feeder(Endpoint("127.0.0.1", 41000), ENGINE_SIDE, feeds=5, misses=0, fed_ns=NOW)
     client_socket = stalled(pid=PROXY_PID, local=Endpoint("10.0.0.1", 443), comm="nginx")
-    link = RelayLink(PROXY_PID, "nginx", upstream, "joined", "")
+    link = RelayLink(PROXY_PID, "nginx", upstream, CLIENT, "joined", "")
     view = Joiner(procfs, gpus()).view(client_socket, announced(), NOW, POLICY, relay=link)
     assert view.process is not None and view.process.pod_uid == POD
     assert view.relay_process is not None and view.relay_process.comm == "nginx"

@@ -1,0 +1,88 @@
+"""Only a connection a process opened itself can feed one it accepted (issue 21, part 4): a
+plain server whose thread reads client A and writes client B looks like a relay to the
+kernel's pairing, but A's socket at the server was accepted (its local port is the server's
+listening port), so B's socket has no relay link: no chain, nothing to reset through it.
+Real BPF, a real agent, the server as its own process."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvwatch.harness.stack import free_port
+from kvwatch.tools.client import get_json
+from tests.e2e.conftest import Stack
+from tests.proxy.test_behind_a_proxy import wait_for
+from tests.verdicts.readers import Reader
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+
+CHUNK = b"x" * 200
+SEND_SECONDS = 3.0
+
+
+@pytest.fixture
+def crossfeed(tmp_path: Path) -> Iterator[int]:
+    """The crossfeed server on a free port; yields the port."""
+    port = free_port()
+    log = tmp_path / "crossfeed.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tests.proxy.crossfeed_server", str(port)], stdout=out
+        )
+    try:
+        wait_for(lambda: "listening" in log.read_text(), 10, "the crossfeed server")
+        yield port
+    finally:
+        server.kill()
+        server.wait()
+
+
+@contextlib.contextmanager
+def socket_pair(port: int) -> Iterator[tuple[socket.socket, Reader]]:
+    """Client A (the server reads it; connected first, so accepted first) and client B, a
+    reader (the server writes it)."""
+    source = socket.create_connection(("127.0.0.1", port))
+    sink = Reader("sink", "default", 1 << 24)
+    try:
+        time.sleep(0.1)  # A is accepted first
+        sink.connect(socket.socket(), "127.0.0.1", port, b"")
+        yield source, sink
+    finally:
+        sink.close()
+        source.close()
+
+
+def fed_row(stack: Stack, client: str) -> dict[str, Any] | None:
+    """The agent's row for the server's socket to `client`, once the kernel paired it."""
+    rows: list[dict[str, Any]] = get_json(stack.agent_url, "/api/v1/streams")
+    return next((r for r in rows if r["remote"] == client and r["feeder"] is not None), None)
+
+
+def test_a_server_thread_that_reads_one_client_and_writes_another_is_no_relay(
+    tmp_path: Path, crossfeed: int
+) -> None:
+    stack = Stack(tmp_path)
+    try:
+        stack.start_agent(port=crossfeed)
+        with socket_pair(crossfeed) as (source, sink):
+            deadline = time.monotonic() + SEND_SECONDS
+            while time.monotonic() < deadline:
+                source.sendall(CHUNK)
+                time.sleep(0.02)
+            row = wait_for(lambda: fed_row(stack, sink.local), 5, "the paired socket's row")
+            rows: list[dict[str, Any]] = get_json(stack.agent_url, "/api/v1/streams")
+    finally:
+        stack.close()
+    assert sink.bytes_read > 0
+    assert row["feeder"]["local"] == f"127.0.0.1:{crossfeed}", row  # the kernel paired them
+    assert row["relay"] is None and row["request_id"] is None, row
+    assert [r for r in rows if r["relay"] is not None] == [], rows

@@ -71,6 +71,11 @@ def stream_metrics(state: AgentState, durations: EpisodeDurations) -> Iterator[M
     yield held
     yield held_estimated
     yield GaugeMetricFamily(
+        "kvwatch_streams_action_failed",
+        "Streams whose action failed on every try in their current stall episode.",
+        value=sum(1 for view in views if view.action_failed),
+    )
+    yield GaugeMetricFamily(
         "kvwatch_streams_stalled_kv_held_bytes",
         "KV cache held by requests whose client stalled, in bytes.",
         value=kv_bytes[StreamState.STALLED],

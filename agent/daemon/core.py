@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -255,7 +256,9 @@ class Daemon:
         views = []
         for sample in self._samples.values():
             engine, relay = self.behind(sample, index)
-            views.append(self.joiner.view(sample, engine, now_ns, self.state_policy, relay=relay))
+            view = self.joiner.view(sample, engine, now_ns, self.state_policy, relay=relay)
+            failed = self.decider.failure_of(sample)
+            views.append(dataclasses.replace(view, action_failed=failed) if failed else view)
         return views
 
     # -- edges, stalls and engine streams ------------------------------------------------

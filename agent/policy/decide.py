@@ -34,6 +34,7 @@ TRANSIENT_REASONS = {
     "no_action_possible",
     "owner_unknown",
     "unconfirmed",
+    "relayed",  # the client socket that decides for it may go, leaving it to be judged alone
 }
 # Action results that changed nothing: the target was already gone, or the action failed.
 # They give their budget unit back.
@@ -294,9 +295,9 @@ class Decider:
         """Adds an entry to the socket's timeline and, for a socket behind a proxy, to the
         timeline of the engine connection whose request it carries (so `explain` by request
         id shows what was decided at the proxy)."""
-        sockets = [(view.sample.local, view.sample.remote)]
+        sockets = {(view.sample.local, view.sample.remote)}
         if view.relay is not None and view.engine is not None:
-            sockets.append((view.engine.local, view.engine.remote))
+            sockets.add((view.engine.local, view.engine.remote))  # the same one when relayed
         for local, remote in sockets:
             self.timelines.of(connection_id(local, remote)).add(ts_ns, event, **fields)
 

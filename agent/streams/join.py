@@ -26,7 +26,9 @@ class StreamView:
     proxy's client socket, on the upstream that `relay` links it to. `relay` is None for a
     socket no relay writes or reads: for the engine's own socket behind a proxy it is the
     `relayed` link to the proxy's client socket that decides for it. `process` is the
-    engine's (else the socket owner's), and `relay_process` the relaying process's."""
+    engine's (else the socket owner's), and `relay_process` the relaying process's.
+    `action_failed` names the actions of this stall episode that failed after their last
+    try (kvwatch.policy.decide), None when none did."""
 
     sample: SocketSample
     judgement: StallJudgement
@@ -38,6 +40,7 @@ class StreamView:
     now_ns: int
     relay: RelayLink | None = None
     relay_process: ProcessInfo | None = None
+    action_failed: dict[str, Any] | None = None
 
     @property
     def opened_ns(self) -> int:
@@ -89,6 +92,7 @@ class StreamView:
             relay=(
                 {**self.relay.to_json(), "chain": self.chain} if self.relay is not None else None
             ),
+            action_failed=self.action_failed,
         )
         return row
 

@@ -10,6 +10,8 @@ watches the proxy's port and the engine's; the proxy sends X-Forwarded-For.
   reset configured ("request_ended");
 - upstream keep-alive: a client socket stalled on an earlier request does not inherit the
   next request its upstream connection carries, and is left alone ("request_ended");
+- a proxy that closed its client sockets while its kernel drains them to slow readers: they
+  are never judged (state `closed`), and get every byte;
 - haproxy with bounded buffers: a client that reads slowly but above the reader guarantee
   is never cut, although the engine's own socket stalls (it sees only haproxy's few KB of
   upstream buffer): that socket defers to the client socket at the proxy ("relayed").
@@ -50,6 +52,7 @@ GUARANTEE = 4096  # the agent's default min_reader_bytes_per_second
 DEFAULT_BUFFERS_GUARANTEE = 16384
 LONG_TOKENS = 1400  # ~250 KB, ~3 s at the reference engine's ~500 tokens/s (context: 2048)
 SHORT_TOKENS = 500  # ~90 KB, done in ~1 s
+DRAINED_TOKENS = 700  # ~125 KB: done in ~1.5 s, drained by a 5 KB/s reader in ~25 s
 SETTLE_SECONDS = 12.0
 # Issue 21: haproxy's upstream receive buffer bounded to 4 KB (8 KB with the kernel's
 # doubling), its client send buffer to 16 KB, and a client with a 64 KB receive buffer that
@@ -294,3 +297,35 @@ def test_a_slow_live_reader_behind_haproxy_is_never_cut_for_the_engines_stall(
     assert [d for d in decisions if d["verdict"] != "skip"] == []
     assert stack.audit_entries("outcome") == []
     assert finished_cleanly(reader), reader
+
+
+def test_slow_readers_a_proxy_closed_on_while_its_kernel_drains_are_never_cut(
+    proxied: tuple[Stack, Proxy],
+) -> None:
+    """Issue 21's false "silence": the engine finishes within seconds, the proxy closes its
+    client sockets with tens of KB still queued, and its kernel sends the rest at the
+    readers' pace — ACKs the ACK path no longer sees (FIN_WAIT1). Readers at 6 KB/s behind a
+    64 KB buffer and 5 KB/s behind the default one get every byte; the first one's socket
+    reads `closed` while it drains, and nothing is decided on either, with cancel and reset
+    configured."""
+    stack, proxy = proxied
+    start_agent(stack, proxy, "--action", "cancel", "--action", "reset")
+    readers = [
+        through(proxy, client("slow-64k", "64k", 6 * 1024), DRAINED_TOKENS),
+        through(proxy, client("slow-default", "default", 5 * 1024), DRAINED_TOKENS),
+    ]
+    try:
+        small = readers[0]  # the default buffer may take in all that is left
+        wait_for(
+            lambda: (row := stream_row(stack, small.local)) and row["state"] == "closed",
+            SETTLE_SECONDS,
+            f"{small.name}'s socket closed by {proxy.name} while it drains",
+        )
+        wait_for(lambda: all(r.ended_ns or r.reset_ns for r in readers), 60, "the readers' ends")
+    finally:
+        for reader in readers:
+            reader.close()
+    for reader in readers:
+        assert finished_cleanly(reader), reader
+    clients = {reader.local for reader in readers}
+    assert not [d for d in stack.audit_entries("decision") if d["remote"] in clients]

@@ -12,6 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvwatch.act.actions import Actions, ActionTally
+from kvwatch.act.audit import AuditLog
+from kvwatch.act.carry import Executor
+from kvwatch.act.episodes import Episode, Episodes
+from kvwatch.act.record import Recorder
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.collect.bpf.loader import CollectorSettings
 from kvwatch.collect.bpf.maps import EventRing
@@ -22,6 +26,7 @@ from kvwatch.collect.table import (
     MergedCollector,
     OpenedCollector,
     TableStatus,
+    connection_key,
     needed_sockets,
     open_collector,
 )
@@ -30,7 +35,6 @@ from kvwatch.exporters import agent_registry
 from kvwatch.exporters.durations import EpisodeDurations
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.hookserver.server import HookServer
-from kvwatch.policy.audit import AuditLog
 from kvwatch.policy.decide import Decider
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.join import Joiner, StreamView
@@ -72,15 +76,14 @@ class Daemon:
             config.hook.socket, config.hook.allowed_uids, on_change=self._on_stream_change
         )
         self.actions = Actions(self.hooks, config.path.procfs)
-        self.audit = AuditLog(config.audit.path or None)
         self.timelines = Timelines(config.streams.history_size)
+        self.recorder = Recorder(AuditLog(config.audit.path or None), self.timelines)
         # What relay joins keep between looks: each client socket's feed counts (noted from
         # every sample the daemon takes in) and the listening ports of each namespace.
         self.feed_ledger = FeedLedger()
         self.listeners = ListeningPorts(config.path.procfs)
-        self.decider = Decider(
-            config.policy, self.behind, self.joiner, self.actions, self.audit, self.timelines
-        )
+        self.executor = Executor(self.actions, self.recorder, Decider(config.policy), self.joiner)
+        self.episodes = Episodes()
         self.stall_timers = StallTimers(self.state_policy, self._read_sample, self._on_stalled)
         self.durations = EpisodeDurations()
         self.registry = agent_registry(self, self.durations)
@@ -93,7 +96,6 @@ class Daemon:
         self._samples: dict[int, SocketSample] = {}
         self._samples_ns = 0
         self._zero_window_started: dict[int, int] = {}
-        self._stalled_since: dict[int, int] = {}
         self._live: dict[str, EngineStream] = {}
         self._table_warned_ns = 0
         self._stop = asyncio.Event()
@@ -144,7 +146,7 @@ class Daemon:
             )
         self._collect.shutdown(wait=True)
         self.gpus.close()
-        self.audit.close()
+        self.recorder.close()
 
     # -- what the collector sees ---------------------------------------------------------
 
@@ -163,17 +165,17 @@ class Daemon:
         samples = await loop.run_in_executor(self._collect, self.opened.collector.samples)
         previous, self._samples = self._samples, {sample.key: sample for sample in samples}
         self.feed_ledger.note_all(samples)
+        self._samples_ns = now_ns = time.monotonic_ns()
         if self.bpf is None:  # sock_diag polling has no close events: a vanished socket closed
             for key in previous.keys() - self._samples.keys():
-                self.stall_timers.forget(key)
-                self.decider.forget(previous[key])
-        self._samples_ns = time.monotonic_ns()
-        self.timelines.sweep({connection_id(s.local, s.remote) for s in samples}, self._samples_ns)
+                self._gone(previous[key], now_ns)
+        self.timelines.sweep({connection_id(s.local, s.remote) for s in samples}, now_ns)
         for sample in samples:
-            if sample.zero_window or sample.sndbuf_full or sample.key in self._stalled_since:
-                self._observe(sample, self._samples_ns)
-        for key in set(self._stalled_since) - self._samples.keys():
-            self._end_stall(key, self._samples_ns)
+            episode = self.episodes.current(sample)
+            if sample.zero_window or sample.sndbuf_full or (episode and episode.stalled_since_ns):
+                self._observe(sample, now_ns)
+        for connection in self.episodes.connections() - {connection_key(s) for s in samples}:
+            self._stall_ended(self.episodes.end(connection), now_ns)  # it left the table
         self._warn_if_table_full()
 
     @property
@@ -224,14 +226,14 @@ class Daemon:
 
     @property
     def decisions(self) -> Mapping[tuple[str, str], int]:
-        return self.decider.decisions
+        return self.recorder.decisions
 
     @property
     def tally(self) -> ActionTally:
         return self.actions.tally
 
     def events_after(self, since: int) -> list[dict[str, Any]]:
-        return [event for event in self.decider.events if event["id"] > since]
+        return self.recorder.events_after(since)
 
     def behind(
         self, sample: SocketSample, index: RelayIndex | None = None
@@ -247,7 +249,7 @@ class Daemon:
             self._samples.values(),
             listeners=self.listeners,
             ledger=self.feed_ledger,
-            cancels=self.decider.cancels,
+            cancels=self.executor.cancels,
         )
 
     def stream_views(self) -> list[StreamView]:
@@ -257,7 +259,7 @@ class Daemon:
         for sample in self._samples.values():
             engine, relay = self.behind(sample, index)
             view = self.joiner.view(sample, engine, now_ns, self.state_policy, relay=relay)
-            failed = self.decider.failure_of(sample)
+            failed = self.episodes.failed(sample)
             views.append(dataclasses.replace(view, action_failed=failed) if failed else view)
         return views
 
@@ -282,12 +284,7 @@ class Daemon:
             if started is not None:
                 self.durations.zero_window_ended((event.ts_ns - started) / 1e9)
         if event.kind == "close":
-            self._samples.pop(key, None)
-            self.feed_ledger.forget(key)
-            self._zero_window_started.pop(key, None)
-            self.stall_timers.forget(key)
-            self.decider.forget(sample)
-            self._end_stall(key, event.ts_ns)
+            self._gone(sample, event.ts_ns)
             self.timelines.close(
                 connection_id(sample.local, sample.remote),
                 event.ts_ns,
@@ -314,29 +311,50 @@ class Daemon:
         return view.to_json()
 
     def _observe(self, sample: SocketSample, now_ns: int) -> None:
-        if self._stalled_since.get(sample.key, 0) not in (0, stall_since_ns(sample)):
-            self._end_stall(sample.key, now_ns)
+        episode = self.episodes.current(sample)
+        if episode is not None and episode.stalled_since_ns not in (0, stall_since_ns(sample)):
+            self._stall_ended(episode, now_ns)
         self.stall_timers.observe(sample)
 
     async def _on_stalled(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
-        since = judgement.since_ns
-        if self._stalled_since.setdefault(sample.key, since) == since:
-            connection = connection_id(sample.local, sample.remote)
-            timeline = self.timelines.of(connection)
-            if not any(e["event"] == "stalled" for e in timeline.entries):
-                timeline.add(since, "stall_conditions_began")
-                timeline.add(
-                    time.monotonic_ns(),
-                    "stalled",
-                    required_seconds=round(judgement.required_ns / 1e9, 3),
-                    evidence=judgement.evidence(self.state_policy),
-                )
-        return await self.decider.on_stalled(sample, judgement)
+        """The stall timers' handler: the stream's view, the policy's decision on it, and
+        the decision carried out (kvwatch.act.carry); returns when to look again, or None."""
+        episode = self.episodes.of(sample)
+        if not episode.stalled_since_ns:
+            episode.stalled_since_ns = judgement.since_ns
+            self._note_stalled(sample, judgement)
+        engine, relay = self.behind(sample)
+        now_ns = time.monotonic_ns()
+        view = self.joiner.view(sample, engine, now_ns, self.state_policy, judgement, relay)
+        return await self.executor.on_stalled(episode, view)
 
-    def _end_stall(self, key: int, now_ns: int) -> None:
-        since = self._stalled_since.pop(key, None)
-        if since:
-            self.durations.stall_ended(max(0.0, (now_ns - since) / 1e9))
+    def _note_stalled(self, sample: SocketSample, judgement: StallJudgement) -> None:
+        timeline = self.timelines.of(connection_id(sample.local, sample.remote))
+        if not any(e["event"] == "stalled" for e in timeline.entries):
+            timeline.add(judgement.since_ns, "stall_conditions_began")
+            timeline.add(
+                time.monotonic_ns(),
+                "stalled",
+                required_seconds=round(judgement.required_ns / 1e9, 3),
+                evidence=judgement.evidence(self.state_policy),
+            )
+
+    def _stall_ended(self, episode: Episode | None, now_ns: int) -> None:
+        """The stall of `episode` is over (progress, lapsed conditions, or the socket gone):
+        its length goes to the duration histogram."""
+        if episode is not None and episode.stalled_since_ns:
+            self.durations.stall_ended(max(0.0, (now_ns - episode.stalled_since_ns) / 1e9))
+            episode.stalled_since_ns = 0
+
+    def _gone(self, sample: SocketSample, now_ns: int) -> None:
+        """The socket closed: the one place where all that is kept about it ends."""
+        key = sample.key
+        self._samples.pop(key, None)
+        self.feed_ledger.forget(key)
+        self._zero_window_started.pop(key, None)
+        self.stall_timers.forget(key)
+        self.actions.checked.forget(key)
+        self._stall_ended(self.episodes.end(connection_key(sample)), now_ns)
 
     def _on_stream_change(self, request_id: str, stream: EngineStream | None) -> None:
         if stream is not None:

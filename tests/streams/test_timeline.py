@@ -13,7 +13,6 @@ import httpx
 import pytest
 
 from kvwatch.api.routes import build_app
-from kvwatch.collect.table import connection_key
 from kvwatch.config import load_config
 from kvwatch.daemon.core import Daemon
 from kvwatch.hook import CancelOutcome, EngineHook
@@ -114,15 +113,15 @@ def test_diag_mode_explain_is_live_only_while_the_socket_exists(
             await wait_until(lambda: daemon.timelines.find("cmpl-diag") is not None)
             await wait_until(lambda: len(daemon.samples()) == 1)
             assert (await explain(daemon))["live"] is True
-            (key,) = (connection_key(sample) for sample in daemon.samples())
-            daemon.decider._last[key] = ((0, "would_act", "stalled"), {}, {})  # as after a decision
+            (sample,) = daemon.samples()
+            daemon.episodes.of(sample).acted = True  # as after a decision
             client.close()
             accepted.close()
             await wait_until(lambda: daemon.timelines.find("cmpl-diag").closed)  # type: ignore[union-attr]
             body = await explain(daemon)
             assert body["live"] is False
             assert [e["event"] for e in body["timeline"]][-1] == "gone"  # type: ignore[attr-defined]
-            assert key not in daemon.decider._last  # what diag mode no longer sees is forgotten
+            assert daemon.episodes.current(sample) is None  # what diag mode no longer sees ended
         finally:
             await asyncio.to_thread(hook.stop)
             daemon.stop()

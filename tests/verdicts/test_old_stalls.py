@@ -137,7 +137,10 @@ def test_fifty_stalls_older_than_the_agent_get_one_decision_each(
     time.sleep(4)  # every buffer full, every stall due before the agent starts
     agent.start("--mode", "observe")
     deadline = time.monotonic() + 30
-    decided = lambda: {e["remote"] for e in agent.audit_entries("decision")}  # noqa: E731
+
+    def decided() -> set[str]:
+        return {e["remote"] for e in agent.audit_entries("decision")}
+
     while len(decided()) < len(readers):
         assert time.monotonic() < deadline, f"{len(decided())} of 50 decided"
         time.sleep(0.5)

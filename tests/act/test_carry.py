@@ -1,6 +1,7 @@
-"""The decide step and the stall timers with their real collaborators (hook server, joiner,
-actions, audit log): one decision per stall episode, the budget given back when an action
-takes no effect, a handler that raised tried again."""
+"""Carrying decisions out (kvwatch.act.carry) and the stall timers, with their real
+collaborators (hook server, engine hook, joiner, actions, audit log, stalled connections):
+one decision per stall episode, the budget given back when an action takes no effect, a
+failed action tried again within its episode, a handler that raised tried again."""
 
 from __future__ import annotations
 
@@ -11,19 +12,20 @@ import time
 from collections.abc import Awaitable, Callable
 
 from kvwatch.act.actions import Actions
+from kvwatch.act.audit import AuditLog
+from kvwatch.act.carry import RETRY_DELAYS_SECONDS
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.procfs import Procfs
 from kvwatch.config import PolicyConfig
 from kvwatch.hook import CancelHandler, CancelOutcome
 from kvwatch.hookserver.server import HookServer
-from kvwatch.policy.audit import AuditLog
-from kvwatch.policy.decide import RETRY_DELAYS_SECONDS, Decider
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import RelayIndex
 from kvwatch.streams.stall_timers import StallTimers
 from kvwatch.streams.states import StallJudgement, judge
 from kvwatch.streams.timeline import Timelines
+from tests.act.pipeline import Pipeline
 from tests.act.stalled import StalledConnections
 from tests.hookserver.conftest import (
     BYTES_PER_BLOCK,
@@ -66,11 +68,11 @@ def verdict(sample: SocketSample) -> StallJudgement:
     return judgement
 
 
-async def with_decider(socket_path: str, scenario: Callable[[Decider], Awaitable[None]]) -> None:
+async def with_decider(socket_path: str, scenario: Callable[[Pipeline], Awaitable[None]]) -> None:
     hooks = HookServer(socket_path, (os.geteuid(),))
     await hooks.start()
     actions = Actions(hooks, "/proc")
-    decider = Decider(
+    decider = Pipeline(
         POLICY,
         lambda sample: RelayIndex(()).behind(sample, hooks),
         Joiner(Procfs(), GpuInventory()),
@@ -88,7 +90,7 @@ async def with_decider(socket_path: str, scenario: Callable[[Decider], Awaitable
 def test_a_socket_the_kernel_no_longer_has_is_not_acted_on_and_keeps_the_budget(
     socket_path: str,
 ) -> None:
-    async def scenario(decider: Decider) -> None:
+    async def scenario(decider: Pipeline) -> None:
         gone = stalled_sample()  # the record of a connection that does not exist
         assert await decider.on_stalled(gone, verdict(gone)) is None
         assert dict(decider.decisions) == {("skip", "socket_gone"): 1}
@@ -101,7 +103,7 @@ def test_a_socket_the_kernel_no_longer_has_is_not_acted_on_and_keeps_the_budget(
 def test_one_decision_per_episode(
     socket_path: str, stalled_connections: StalledConnections
 ) -> None:
-    async def scenario(decider: Decider) -> None:
+    async def scenario(decider: Pipeline) -> None:
         sample = stalled_connections.sample(key=7, pid=os.getpid())
         assert await decider.on_stalled(sample, verdict(sample)) is None
         assert await decider.on_stalled(sample, verdict(sample)) is None  # same episode
@@ -116,7 +118,7 @@ def test_one_decision_per_episode(
 
 
 def test_a_socket_without_an_owner_is_looked_at_again_not_acted_on(socket_path: str) -> None:
-    async def scenario(decider: Decider) -> None:
+    async def scenario(decider: Pipeline) -> None:
         orphan = stalled_sample().with_changes(pid=0, comm="")
         assert await decider.on_stalled(orphan, verdict(orphan)) == 1.0
         assert await decider.on_stalled(orphan, verdict(orphan)) == 1.0
@@ -167,7 +169,7 @@ def failing_then(ok_after: int) -> CancelHandler:
 
 async def cancel_on_stall(
     socket_path: str, connections: StalledConnections, ok_after: int, tries: int
-) -> tuple[Decider, list[float | None], SocketSample]:
+) -> tuple[Pipeline, list[float | None], SocketSample]:
     """A stalled stream of a real engine hook, cancelled through the decider: `tries` calls
     of the stall timers' handler, their answers, and the stalled record."""
     policy = PolicyConfig(mode="enforce", actions=("cancel",), grace_seconds=0)
@@ -175,7 +177,7 @@ async def cancel_on_stall(
     answers: list[float | None] = []
     async with running_server(socket_path) as (hooks, _), engine_hook(socket_path, handler) as hook:
         actions = Actions(hooks, "/proc")
-        decider = Decider(
+        decider = Pipeline(
             policy,
             lambda sample: RelayIndex(()).behind(sample, hooks),
             Joiner(Procfs(), GpuInventory()),

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvwatch.act.audit import AuditLog
 from kvwatch.errors import ConfigError
-from kvwatch.policy.audit import AuditLog
 from kvwatch.policy.rules import Decision
 from kvwatch.sockets import Endpoint
 from kvwatch.streams.states import StreamState

@@ -1,4 +1,5 @@
-"""The decide step (kvwatch.policy.decide.Decider) with its real collaborators: an audit log
+"""The policy's decision and what act/ does with it (kvwatch.policy.decide,
+kvwatch.act.carry, tests/act/pipeline.py) with their real collaborators: an audit log
 in a file, timelines, a joiner over a procfs (a fixture tree with an engine in a Kubernetes
 pod, or this process) and the fake NVML, actions over a hook server that is not started
 (no engine is connected, so a cancel finds no one to ask), and real stalled loopback
@@ -22,18 +23,19 @@ from typing import Any
 import pytest
 
 from kvwatch.act.actions import Actions
+from kvwatch.act.audit import AuditLog
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.procfs import Procfs
 from kvwatch.config import PolicyConfig
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.hookserver.server import HookServer
-from kvwatch.policy.audit import AuditLog
-from kvwatch.policy.decide import RECHECK_SECONDS, Decider
+from kvwatch.policy.decide import RECHECK_SECONDS
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import RelayLink
 from kvwatch.streams.states import judge
 from kvwatch.streams.timeline import Timelines, connection_id
+from tests.act.pipeline import Pipeline
 from tests.act.stalled import StalledConnections
 from tests.collect.conftest import GIB, FakeGpu, FakeNvml
 from tests.hookserver.conftest import run_async
@@ -85,9 +87,9 @@ def fixture_procfs(root: Path) -> Procfs:
 
 @dataclass
 class Agent:
-    """A Decider and what it writes to; `engines` are the requests `behind` finds, by socket."""
+    """A Pipeline and what it writes to; `engines` are the requests `behind` finds, by socket."""
 
-    decider: Decider
+    decider: Pipeline
     hooks: HookServer
     audit_path: Path
     engines: dict[int, EngineStream]
@@ -117,7 +119,7 @@ async def running_agent(
     audit_path = tmp_path / "audit" / "audit.jsonl"
     audit = AuditLog(str(audit_path), echo=None)
     joiner_procfs = procfs if procfs is not None else fixture_procfs(tmp_path / "proc")
-    decider = Decider(
+    decider = Pipeline(
         policy,
         behind,
         Joiner(joiner_procfs, GpuInventory(nvml)),

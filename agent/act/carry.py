@@ -1,0 +1,164 @@
+"""Carrying out a decision: the kernel's confirmation first, then each action in order, each
+ending in an outcome line; a failed one is tried again while its episode lasts.
+
+The decision comes from the policy (kvwatch.policy.decide) and is not changed here except in
+one way: a decision to act whose stall the kernel's own view of the socket does not show
+becomes a skip ("unconfirmed", "socket_gone") and gives its budget unit back
+(kvwatch.act.confirm). An action is a method of `Actions` named in `policy.actions`
+(`cancel`, `reset`); a new one is a method there, its name in `_act`, and a rule in
+kvwatch.policy.rules that can choose it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvwatch.act.actions import Actions
+from kvwatch.act.episodes import Episode, Unfinished
+from kvwatch.act.record import Recorder
+from kvwatch.policy.decide import Decider, retry_after
+from kvwatch.policy.rules import Decision
+from kvwatch.streams.join import Joiner, StreamView
+from kvwatch.streams.relay import Cancels
+
+log = logging.getLogger(__name__)
+
+# Action results that changed something; the others (the target was already gone, or the
+# action failed) leave the decision's budget unit to be given back.
+TOOK_EFFECT = {"cancelled", "reset"}
+# An action that failed (or raised) is tried again after each of these delays, within its
+# stall episode and on the kernel's confirmation each time; the budget is charged once.
+RETRY_DELAYS_SECONDS = (1.0, 2.0, 4.0)
+
+
+class Executor:
+    """Carries decisions out and records them; owned by the event loop. `cancels` are the
+    requests it cancelled, by engine socket, for the relay join (a proxy's client socket
+    whose request kvwatch cancelled is reset)."""
+
+    def __init__(
+        self, actions: Actions, recorder: Recorder, decider: Decider, joiner: Joiner
+    ) -> None:
+        self.actions = actions
+        self.recorder = recorder
+        self.decider = decider
+        self.budget = decider.budget
+        self.joiner = joiner
+        self.cancels = Cancels()
+
+    async def on_stalled(self, episode: Episode, view: StreamView) -> float | None:
+        """A stalled stream, in its episode: the actions still to try are tried again; else,
+        once per episode, the policy decides and the decision is confirmed, recorded and
+        carried out. Returns when to look at the stream again, or None."""
+        if episode.unfinished is not None:
+            return await self._try_again(episode, view)
+        if episode.acted:
+            return None
+        return await self._handle(episode, view, self.decider.decide(view))
+
+    async def _handle(self, episode: Episode, view: StreamView, decision: Decision) -> float | None:
+        kernel: dict[str, Any] | None = None
+        if decision.acts:
+            view, decision, kernel = await self._confirmed(view, decision)
+        ref, evidence = self.recorder.decision(view, decision, episode, kernel)
+        if decision.acts:
+            episode.acted = True
+        if decision.verdict != "act":
+            return retry_after(decision)
+        unfinished = Unfinished(decision.reason, ref, evidence, decision.actions)
+        return await self._attempt(episode, view, unfinished)
+
+    async def _try_again(self, episode: Episode, view: StreamView) -> float | None:
+        """The next try of the episode's failed actions, if the kernel still shows the stall;
+        else they are given up, each with an outcome line that says why."""
+        unfinished = episode.unfinished
+        assert unfinished is not None, "nothing to try again"
+        confirmed = await self.actions.confirm(view)
+        if confirmed.agrees:
+            return await self._attempt(episode, view, unfinished)
+        episode.unfinished = None
+        for action in unfinished.actions:
+            result = {"status": "abandoned", "detail": confirmed.detail}
+            self._outcome(view, unfinished, action, result)
+        self._settle(unfinished)
+        return None
+
+    async def _confirmed(
+        self, view: StreamView, decision: Decision
+    ) -> tuple[StreamView, Decision, dict[str, Any] | None]:
+        """The decision to act, held against the kernel's own view of the socket now: the
+        view it rests on becomes that one; where the kernel does not show a stall, the
+        decision becomes a skip and its budget unit is given back."""
+        confirmed = await self.actions.confirm(view)
+        view = self.joiner.view(
+            confirmed.sample,
+            view.engine,
+            view.now_ns,
+            view.policy,
+            confirmed.judgement,
+            view.relay,
+        )
+        if not confirmed.agrees:
+            self.budget.give_back()
+            decision = Decision("skip", (), confirmed.reason, confirmed.detail)
+        return view, decision, confirmed.kernel
+
+    async def _attempt(
+        self, episode: Episode, view: StreamView, unfinished: Unfinished
+    ) -> float | None:
+        """Carries out the remaining actions once; returns when to try the failed ones again,
+        or None when nothing is left to try."""
+        unfinished.tries += 1
+        failed = await self._carry_out(view, unfinished)
+        episode.unfinished = None
+        if not failed:
+            self._settle(unfinished)
+            return None
+        unfinished.actions = failed
+        if unfinished.tries <= len(RETRY_DELAYS_SECONDS):
+            episode.unfinished = unfinished
+            return RETRY_DELAYS_SECONDS[unfinished.tries - 1]
+        episode.failed = {"actions": list(failed), "tries": unfinished.tries, **unfinished.ref}
+        self._settle(unfinished)
+        return None
+
+    def _settle(self, unfinished: Unfinished) -> None:
+        if not unfinished.took_effect:
+            self.budget.give_back()
+
+    async def _carry_out(self, view: StreamView, unfinished: Unfinished) -> tuple[str, ...]:
+        """Tries each remaining action once and writes its outcome; returns those that
+        failed (an action that raised failed, with the exception as its detail)."""
+        failed: list[str] = []
+        for action in unfinished.actions:
+            try:
+                result = await self._act(view, unfinished, action)
+            except Exception as exc:  # an action must end in an outcome, whatever went wrong
+                log.exception("%s of %s failed", action, unfinished.ref["remote"])
+                result = {"status": "failed", "detail": f"{type(exc).__name__}: {exc}"}
+            unfinished.took_effect = unfinished.took_effect or result["status"] in TOOK_EFFECT
+            if result["status"] == "failed":
+                failed.append(action)
+            self._outcome(view, unfinished, action, result)
+        return tuple(failed)
+
+    async def _act(self, view: StreamView, unfinished: Unfinished, action: str) -> dict[str, Any]:
+        if action == "cancel":
+            result = await self.actions.cancel(view, unfinished.reason, unfinished.evidence)
+            unfinished.cancelled = result["status"] == "cancelled"
+            if unfinished.cancelled and view.engine is not None:
+                self.cancels.add(view.engine, time.monotonic_ns())
+        else:
+            result = await self.actions.reset(
+                view, unfinished.reason, follow=not unfinished.cancelled
+            )
+        if "freed_bytes" in result:
+            result["estimated"] = unfinished.evidence["kv_estimated"]
+        return result
+
+    def _outcome(
+        self, view: StreamView, unfinished: Unfinished, action: str, result: dict[str, Any]
+    ) -> None:
+        self.recorder.outcome(view, unfinished.ref, action, {**result, "attempt": unfinished.tries})

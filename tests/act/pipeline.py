@@ -1,0 +1,70 @@
+"""The decide and act steps as the daemon runs them for a stalled socket
+(kvwatch.daemon.core.Daemon._on_stalled), with their real collaborators, for tests."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+from kvwatch.act.actions import Actions
+from kvwatch.act.audit import AuditLog
+from kvwatch.act.carry import Executor
+from kvwatch.act.episodes import Episodes
+from kvwatch.act.record import Recorder
+from kvwatch.config import PolicyConfig
+from kvwatch.hookserver.registry import EngineStream
+from kvwatch.policy.decide import Decider
+from kvwatch.policy.rules import CancelBudget
+from kvwatch.sockets import SocketSample
+from kvwatch.streams.join import Joiner
+from kvwatch.streams.relay import RelayLink
+from kvwatch.streams.states import StallJudgement
+from kvwatch.streams.timeline import Timelines
+
+Behind = Callable[[SocketSample], tuple[EngineStream | None, RelayLink | None]]
+
+
+class Pipeline:
+    """Joins a stalled socket (`behind` finds its engine stream), lets the policy decide and
+    the executor carry the decision out, in the socket's stall episode."""
+
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        behind: Behind,
+        joiner: Joiner,
+        actions: Actions,
+        audit: AuditLog,
+        timelines: Timelines,
+    ) -> None:
+        self.state_policy = policy.state_policy()
+        self.behind = behind
+        self.joiner = joiner
+        self.actions = actions
+        self.timelines = timelines
+        self.recorder = Recorder(audit, timelines)
+        self.executor = Executor(actions, self.recorder, Decider(policy), joiner)
+        self.episodes = Episodes()
+
+    @property
+    def decisions(self) -> Counter[tuple[str, str]]:
+        return self.recorder.decisions
+
+    @property
+    def events(self) -> deque[dict[str, Any]]:
+        return self.recorder.events
+
+    @property
+    def budget(self) -> CancelBudget:
+        return self.executor.budget
+
+    def failure_of(self, sample: SocketSample) -> dict[str, Any] | None:
+        return self.episodes.failed(sample)
+
+    async def on_stalled(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
+        engine, relay = self.behind(sample)
+        now_ns = time.monotonic_ns()
+        view = self.joiner.view(sample, engine, now_ns, self.state_policy, judgement, relay)
+        return await self.executor.on_stalled(self.episodes.of(sample), view)

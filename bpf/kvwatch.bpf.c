@@ -2,10 +2,10 @@
 /*
  * kvwatch: per-socket send backpressure (CO-RE build for libbpf).
  * The logic lives in kvwatch_socket.h; this file holds the maps, the load-time settings and
- * thin hook wrappers. The send path has three variants (fentry, kprobe, sock_send_length raw
+ * thin wrappers, one per attach point and mode. The send path has three variants (fentry, kprobe, sock_send_length raw
  * tracepoint); userspace autoloads exactly one of them.
- * Records live in one of two tables, chosen at load time for every hook together: socket-local
- * storage when every attached hook is BTF-typed (fentry, tp_btf), else the LRU hash.
+ * Records live in one of two tables, chosen at load time for every attach point together: socket-local
+ * storage when every attached program is BTF-typed (fentry, tp_btf), else the LRU hash.
  */
 #include <linux/types.h>
 #include <linux/bpf.h>
@@ -66,7 +66,7 @@ struct {
 
 const volatile struct kv_settings kv_settings = {};
 
-/* Set by the loader when every hook is BTF-typed: records go to kv_socket_storage. */
+/* Set by the loader when every program is BTF-typed: records go to kv_socket_storage. */
 const volatile bool kv_use_sk_storage = false;
 
 /* Typed, never written: keeps struct kv_event in the object's BTF for the layout check. */
@@ -114,7 +114,7 @@ static __always_inline void kv_stat_add(__u32 index)
 #define KV_SK_PROTOCOL(sk) BPF_CORE_READ_BITFIELD(sk, sk_protocol)
 #define KV_SND_WSCALE(tp) BPF_CORE_READ_BITFIELD(tp, rx_opt.snd_wscale)
 #define KV_TCP_SOCK(sk) bpf_skc_to_tcp_sock(sk)
-#include "kvwatch_hooks.h"
+#include "kvwatch_handlers.h"
 #undef KV_FN
 #undef KV_READ
 #undef KV_READ_BYTES
@@ -135,7 +135,7 @@ static __always_inline void kv_stat_add(__u32 index)
 #define KV_SK_PROTOCOL(sk) BPF_CORE_READ_BITFIELD_PROBED(sk, sk_protocol)
 #define KV_SND_WSCALE(tp) BPF_CORE_READ_BITFIELD_PROBED(tp, rx_opt.snd_wscale)
 #define KV_TCP_SOCK(sk) ((struct tcp_sock *)(sk))
-#include "kvwatch_hooks.h"
+#include "kvwatch_handlers.h"
 
 /* Send path: fentry (BPF trampoline), else kprobe, else the sock_send_length tracepoint. */
 SEC("fentry/tcp_sendmsg")

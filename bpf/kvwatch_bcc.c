@@ -2,8 +2,8 @@
 /*
  * kvwatch: per-socket send backpressure (BCC build, for kernels without BTF).
  * BCC compiles this file at start-up against the running kernel's headers, so every field
- * offset is that kernel's own. The logic is kvwatch_socket.h and kvwatch_hooks.h, the same
- * text the CO-RE build compiles; this file holds BCC's maps and thin hook wrappers.
+ * offset is that kernel's own. The logic is kvwatch_socket.h and kvwatch_handlers.h, the same
+ * text the CO-RE build compiles; this file holds BCC's maps and thin wrappers, one per attach point.
  * Userspace (kvwatch/collect/bpf/bcc.py) passes -DKV_MAX_SOCKETS and the include path, writes
  * kv_settings before attaching, and attaches one send program: kprobe, else the
  * sock_send_length raw tracepoint.
@@ -108,7 +108,7 @@ static __always_inline void kv_bcc_stat_add(__u32 index)
 #define KV_SK_PROTOCOL(sk) \
 	({ __u16 __protocol = 0; KV_READ(&__protocol, sk, sk_protocol); __protocol; })
 #endif
-#include "kvwatch_hooks.h"
+#include "kvwatch_handlers.h"
 
 int kv_send_kprobe(struct pt_regs *ctx)
 {

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * The per-socket logic of kvwatch, shared by every hook and by every build of the programs.
+ * The per-socket logic of kvwatch, shared by every handler and by every build of the programs.
  * This header holds what never reads kernel memory (record bookkeeping, edge events);
- * kvwatch_hooks.h holds the handlers that do, once per way of reading. The includer supplies
+ * kvwatch_handlers.h holds the handlers that do, once per way of reading. The includer supplies
  * the toolchain-specific primitives first:
  *   KV_SETTING(name)                a load-time setting of struct kv_settings
  *   KV_NOW()                        CLOCK_MONOTONIC nanoseconds
@@ -25,7 +25,7 @@
 #define KV_EEXIST 17
 #define KV_ENOMEM 12
 
-/* A socket's send side as one hook sees it, before it is folded into the record. */
+/* A socket's send side as one handler sees it, before it is folded into the record. */
 struct kv_tcp_view {
 	__u64 bytes_acked;
 	__u32 snd_una;
@@ -111,7 +111,7 @@ static __always_inline void kv_emit(const struct kv_sock_record *rec, __u32 type
 /*
  * Relay pairing needs only the reads of processes that write to a tracked socket. Each
  * tracked write sets its process's bit (a plain OR: a bit lost to a concurrent OR on another
- * CPU is set again by the process's next write); the read hook tests it first, so every
+ * CPU is set again by the process's next write); the read handler tests it first, so every
  * other read on the node costs one array lookup, which the verifier inlines. Tgids past the
  * bitmap (pid_max above 2^22) are always read.
  */

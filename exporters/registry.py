@@ -2,7 +2,7 @@
 
 A collector yields its metric families from fresh state; `kvwatch_exporter_scrape_duration_
 seconds` and `kvwatch_exporter_scrape_success` report, per collector, how the current scrape
-of it went (DESIGN.md house style: the framework exports scrape health, not each collector).
+of it went (docs/contracts.md, "Metrics": the framework exports scrape health, not each collector).
 """
 
 from __future__ import annotations

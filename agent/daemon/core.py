@@ -1,5 +1,6 @@
-"""`Daemon`: one asyncio process that runs the whole pipeline of DESIGN.md — collector, engine
-hook server, join, stall timers, policy, actions, audit log, exporters and the HTTP API."""
+"""`Daemon`: one asyncio process that runs the whole pipeline (docs/architecture.md) —
+collector, engine hook server, join, stall timers, policy, actions, audit log, exporters and
+the HTTP API."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How a socket reads in JSON: the `sockets --json` contract of DESIGN.md, which the API, the
+"""How a socket reads in JSON: the `sockets --json` contract (docs/contracts.md), which the API, the
 stream view and `kvwatch top` all build on. Plain data; people's tables are in tools/tables.py."""
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ GPU_UUID = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 DENIED_PORT = 9000
 ENFORCE = PolicyConfig(mode="enforce", actions=("cancel",), grace_seconds=0)
 OBSERVE = PolicyConfig(mode="observe", actions=("cancel", "reset"), grace_seconds=0)
-# `kvwatch streams --json` (DESIGN.md, "Contracts"): what an audit line's evidence holds.
+# `kvwatch streams --json` (docs/contracts.md): what an audit line's evidence holds.
 STREAM_KEYS = {
     "local", "remote", "pid", "comm", "state", "wmem_queued", "sndbuf", "notsent_bytes",
     "unacked_bytes", "peer_rwnd", "srtt_us", "retransmits", "zero_window",

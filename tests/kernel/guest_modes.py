@@ -126,7 +126,8 @@ def test_points_attach_in_the_forced_modes(watched: Watched, combo: Combo, offer
 def test_stalled_client_is_found_but_not_a_slow_or_an_idle_one(
     watched: Watched, combo: Combo
 ) -> None:
-    """DESIGN.md's false-positive guard, all three clients at once to keep the matrix short."""
+    """The guarantee of docs/contracts.md (a live reader is never stalled), all three
+    clients at once to keep the matrix short."""
     scenario, collector = watched.v4, watched.collector
     clients = {kind: scenario.connect(kind) for kind in ("stalled", "slow", "idle")}
     seen: dict[str, set[StreamState]] = {kind: set() for kind in clients}

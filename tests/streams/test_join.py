@@ -3,7 +3,7 @@ procfs fixture tree (an engine in a Kubernetes pod, a proxy on the host) and the
 socket no engine announced has no request; an announced one carries its request id and KV;
 the process, container and pod are the engine's, the GPU memory is the engine's; a proxy's
 client socket also names the relaying process; process identity is cached until forgotten;
-and `to_json()` holds every key of the `kvwatch streams --json` contract of DESIGN.md."""
+and `to_json()` holds every key of the `kvwatch streams --json` contract (docs/contracts.md)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
 ENGINE_SIDE = Endpoint("10.0.0.1", 8000)
 CLIENT = Endpoint("10.0.0.2", 50000)
-# `kvwatch sockets --json` and what `kvwatch streams --json` adds (DESIGN.md, "Contracts").
+# `kvwatch sockets --json` and what `kvwatch streams --json` adds (docs/contracts.md).
 SOCKET_KEYS = {
     "local", "remote", "pid", "comm", "state", "wmem_queued", "sndbuf", "notsent_bytes",
     "unacked_bytes", "peer_rwnd", "srtt_us", "retransmits", "zero_window",

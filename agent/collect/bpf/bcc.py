@@ -2,7 +2,7 @@
 
 BCC compiles `bpf/kvwatch_bcc.c` at start-up with its own clang/LLVM against the running
 kernel's headers, so field offsets come from the headers instead of CO-RE relocations. The
-programs are the same C text as the CO-RE object (kvwatch_socket.h, kvwatch_hooks.h) and fill
+programs are the same C text as the CO-RE object (kvwatch_socket.h, kvwatch_handlers.h) and fill
 the same maps with the same records and events; `BccPrograms` hands their file descriptors to
 `BpfCollector`, which reads them exactly as it reads the CO-RE maps.
 

@@ -1,5 +1,6 @@
-"""The false-positive guard of DESIGN.md, proven on real sockets: a stalled client is found;
-a slow reader that keeps draining and an idle connection never are."""
+"""The guarantee of docs/contracts.md (a live reader is never stalled), proven on real
+sockets: a stalled client is found; a slow reader that keeps draining and an idle connection
+never are."""
 
 from __future__ import annotations
 

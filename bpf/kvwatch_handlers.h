@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * kvwatch's hook handlers, written once and compiled once per way of reading kernel memory.
+ * kvwatch's handlers, one per attach point, written once and compiled once per way of reading kernel memory.
  * No include guard: the includer defines, then includes this file, for each flavour:
  *   KV_FN(name)                     the flavour's name for a handler (e.g. name##_btf)
  *   KV_READ(dst, ptr, field)        read ptr->field (a path inside one struct) into *dst
@@ -337,7 +337,7 @@ static __always_inline int KV_FN(kv_on_state)(struct sock *sk, int new_state)
 	return 0;
 }
 
-/* The record of a tracked socket, for hooks that only count (NULL when untracked). */
+/* The record of a tracked socket, for handlers that only count (NULL when untracked). */
 static __always_inline struct kv_sock_record *KV_FN(kv_tracked)(struct sock *sk)
 {
 	__u64 key = (__u64)sk;

@@ -42,6 +42,7 @@ bench: setup
 	$(PY) -m bench.bench_footprint
 	$(PY) -m bench.bench_backends
 	$(PY) -m bench.bench_egress
+	$(PY) -m bench.bench_soak
 
 # mypy cannot follow setuptools' package-dir mapping through an editable install, so it
 # reads the package through a small tree of links that spells the import names.

@@ -1,270 +1,803 @@
-"""Soak: the agent under connection churn and engine streams for minutes; its RSS must plateau.
+"""Soak: a real agent enforcing (reset action) for minutes under connection churn, live slow
+readers and a trickle of stalled clients; its memory and descriptors must stay flat, every
+stall must be cut and no live reader ever.
 
-A child process opens and resets TCP connections to a watched loopback port at CHURN_PER_SECOND
-(SO_LINGER 0: a reset, no TIME_WAIT to exhaust the ephemeral ports); another accepts and closes
-them. An engine hook in this process keeps ANNOUNCED_STREAMS streams announced on that port,
-updates them every second and replaces a tenth of them every second with new request ids
-(connections the collector never sees: their timelines must expire). /metrics is scraped every
-SCRAPE_SECONDS, as Prometheus would. The agent's RSS is sampled every second and its CPU share
-over each SAMPLE_WINDOW_SECONDS.
+The lab is tests/verdicts' (a server and a client network namespace joined by veth, the
+token server in the server namespace at 16 KB/s per stream, on SOAK_PORT); the agent is
+started by kvwatch.harness.stack with the verdict tests' settings (`kvwatch run --mode
+enforce --action reset --grace-seconds 0`, its own hook socket, API port and audit log),
+watching that port. For the whole run:
+  churn     a child process in the client namespace opens CHURN_PER_SECOND connections a
+            second, one at a time: half ask for a stream and read its first event, half send
+            nothing; half end with a reset (SO_LINGER 0), half with an orderly close;
+  live      LIVE_READERS readers at 4-8 KB/s (the agent's --min-reader-rate is 4 KB/s and
+            the server writes 16 KB/s, so their windows touch zero all the time), with 64 KB
+            and the kernel's default receive buffers, for the whole run: none may be cut;
+  stalled   every STALL_EVERY_SECONDS a new reader that stops reading (at once, or after a
+            few seconds at 16 KB/s; 4 KB and 64 KB buffers); the agent should reset it. One
+            not cut within STALL_WAIT_SECONDS is closed and counted as missed; at most
+            MAX_STALLED_OPEN are open at once;
+  announced an engine hook keeps ANNOUNCED_STREAMS requests announced on the port (on
+            addresses no socket has) and replaces a tenth of them every second, so the
+            agent's registry and timelines churn too.
+Every SAMPLE_SECONDS: the agent's RSS (VmRSS in /proc/PID/status), open descriptors
+(/proc/PID/fd), threads and CPU share, its log's size, its socket table (/healthz), stream,
+decision and action counts (/metrics), and the live readers cut so far.
 
-Run as root: `python -m bench.bench_soak [SECONDS]` (default 300). Writes
-bench/results/soak.json and soak.png. Not part of `make test`, nor of `make bench` (it takes
-minutes). "Plateau": the peak RSS of the second half is at most PLATEAU_GROWTH above the peak of
-the second quarter.
+Run as root: `python -m bench.bench_soak` (10 minutes; `--minutes N`; `--short` is a one-minute
+smoke run whose results go to a temporary directory unless `--output` says where). Writes
+soak.json (settings, the samples, the summary: RSS start/end/max and its slope in MB an hour
+after warm-up, descriptors, stalls acted on, live readers cut, churn achieved) and soak.png.
+MB are 10^6 bytes. Ctrl-C stops everything it started and writes nothing.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import multiprocessing
+import os
+import platform
+import signal
 import socket
-import sys
+import statistics
+import struct
+import subprocess
 import tempfile
 import time
+import types
+from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from bench.common import RESULTS, write_result
+from kvwatch.collect.netns import network_namespace
 from kvwatch.harness.demo import scrape
 from kvwatch.harness.stack import Stack
 from kvwatch.hook import CancelOutcome, EngineHook, EngineInfo
+from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND
+from tests.verdicts.conftest import SERVER_BYTES_PER_SECOND, Lab
+from tests.verdicts.netlab import Link, NetLab
+from tests.verdicts.readers import Buffer, Reader
 
-DEFAULT_SECONDS = 300.0
-CHURN_PER_SECOND = 4000
-ANNOUNCED_STREAMS = 500
-REPLACED_PER_SECOND = ANNOUNCED_STREAMS // 10
-SCRAPE_SECONDS = 5.0
-SAMPLE_WINDOW_SECONDS = 10.0
-WARMUP_SECONDS = 15.0
-PLATEAU_GROWTH = 1.05
-PLATEAU_SLACK_MB = 2.0
-MB = 1_000_000
-# What the last scrape said about the agent's own tables, reported with the run.
-REPORTED_SERIES = (
-    "kvwatch_streams_engine_announced",
-    "kvwatch_agent_timelines{state=live}",
-    "kvwatch_agent_timelines{state=finished}",
-    "kvwatch_hook_events_total{event=opens}",
-    "kvwatch_hook_events_total{event=closes}",
-    "kvwatch_bpf_sockets_tracked",
-    "kvwatch_bpf_events_sent_total",
-    "kvwatch_bpf_events_dropped_total",
+DEFAULT_MINUTES = 10.0
+SHORT_MINUTES = 1.0
+SAMPLE_SECONDS = 5.0
+TICK_SECONDS = 0.25
+CHURN_PER_SECOND = 200
+CHURN_TIMEOUT_SECONDS = 2.0
+GUARANTEE = DEFAULT_MIN_READER_BYTES_PER_SECOND
+LIVE_RATES = (GUARANTEE, 5 * 1024, 6 * 1024, 7 * 1024, 2 * GUARANTEE)
+LIVE_BUFFERS: tuple[Buffer, ...] = ("64k", "default")
+LIVE_PER_SHAPE = 2
+LIVE_READERS = len(LIVE_RATES) * len(LIVE_BUFFERS) * LIVE_PER_SHAPE
+# (buffer, seconds of reading before it stops), taken in turn.
+STALLED_SHAPES: tuple[tuple[Buffer, float], ...] = (
+    ("4k", 0.0),
+    ("64k", 0.0),
+    ("4k", 3.0),
+    ("64k", 3.0),
 )
+STALLED_RATE = 4 * GUARANTEE
+STALL_EVERY_SECONDS = 5.0
+STALL_WAIT_SECONDS = 90.0
+MAX_STALLED_OPEN = 16
+ANNOUNCED_STREAMS = 50
+REPLACED_PER_SECOND = ANNOUNCED_STREAMS // 10
+# Slope and the second-half figures leave out the first part of the run (imports, BPF load,
+# first allocations): WARMUP_SECONDS or a fifth of the run, whichever is shorter.
+WARMUP_SECONDS = 60.0
+SERVER_START_SECONDS = 10.0
+MB = 1_000_000
+# Not tests/verdicts' 18080: every agent on the machine watches its port in every namespace,
+# and verdict tests run beside the soak would act on its stalls and it on theirs.
+SOAK_PORT = 18097
+AGENT_ARGS = (
+    "--mode", "enforce", "--action", "reset", "--grace-seconds", "0",
+    "--max-cancels-per-minute", "1000",
+)  # fmt: skip
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def accept_and_close(listener: socket.socket) -> None:
-    """Child process: accepts every connection and closes it at once."""
-    while True:
-        try:
-            conn, _ = listener.accept()
-        except OSError:
-            continue
-        conn.close()
+class TerminatedError(Exception):
+    """SIGTERM, turned into an exception so that every `finally` runs."""
 
 
-def churn(port: int, per_second: int, made: Synchronized[int]) -> None:
-    """Child process: connects and resets `per_second` connections a second, counting them."""
-    linger = (1).to_bytes(4, "little") + (0).to_bytes(4, "little")
-    while True:
-        second = time.monotonic()
-        for _ in range(per_second):
-            client = socket.socket()
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+def _on_sigterm(_signum: int, _frame: types.FrameType | None) -> None:
+    raise TerminatedError
+
+
+# ----------------------------------------------------------------------------- the load
+
+
+def churn(
+    namespace: str,
+    host: str,
+    seconds: float,
+    made: Synchronized[int],
+    failed: Synchronized[int],
+) -> None:
+    """Child process: CHURN_PER_SECOND short connections a second from `namespace` for
+    `seconds`, one at a time. Falling more than a second behind drops the backlog rather
+    than bursting: the rate achieved is what `made` says."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    linger = struct.pack("ii", 1, 0)
+    with network_namespace(Path("/run/netns", namespace)):
+        start = time.monotonic()
+        count = 0
+        while (now := time.monotonic()) - start < seconds:
+            due = start + count / CHURN_PER_SECOND
+            if due > now:
+                time.sleep(due - now)
+            elif now - due > 1.0:
+                count = int((now - start) * CHURN_PER_SECOND)
+            count += 1
             try:
-                client.connect(("127.0.0.1", port))
+                with socket.socket() as sock:
+                    sock.settimeout(CHURN_TIMEOUT_SECONDS)
+                    sock.connect((host, SOAK_PORT))
+                    if count % 2:
+                        sock.sendall(b"stream\n")
+                        sock.recv(256)
+                    if count % 4 < 2:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
             except OSError:
-                client.close()
+                with failed.get_lock():
+                    failed.value += 1
                 continue
-            client.close()
-            made.value += 1
-            if time.monotonic() - second >= 1.0:
-                break
-        time.sleep(max(0.0, 1.0 - (time.monotonic() - second)))
+            with made.get_lock():
+                made.value += 1
 
 
-class Streams:
-    """ANNOUNCED_STREAMS live streams on `port`, renewed a tenth a second."""
-
-    def __init__(self, hook: EngineHook, port: int) -> None:
-        self.hook = hook
-        self.port = port
-        self.next_id = 0
-        self.live: list[str] = []
-        self.opened = 0
-
-    def open_one(self) -> None:
-        request_id = f"soak-{self.next_id}"
-        remote_port = 1024 + self.next_id % 60000
-        self.hook.stream_opened(
-            request_id, ("127.0.0.1", self.port), ("127.0.0.2", remote_port), kv_blocks=4
+def start_lab(workdir: Path) -> Lab:
+    """A lab with the token server listening, as tests/verdicts' `labs` fixture makes it."""
+    net = NetLab(Link())
+    try:
+        log = workdir / "token-server.log"
+        server = net.spawn_server(
+            "tests.verdicts.token_server",
+            net.server_ip,
+            str(SOAK_PORT),
+            str(SERVER_BYTES_PER_SECOND),
+            log=log,
         )
-        self.live.append(request_id)
-        self.next_id += 1
-        self.opened += 1
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while "listening" not in log.read_text():
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"the token server did not start: {log.read_text()}")
+            time.sleep(0.05)
+    except BaseException:
+        net.close()
+        raise
+    return Lab(net, server)
 
-    def tick(self, second: int) -> None:
-        for request_id in self.live[:REPLACED_PER_SECOND]:
-            self.hook.stream_closed(request_id, "finished")
-        self.live = self.live[REPLACED_PER_SECOND:]
-        while len(self.live) < ANNOUNCED_STREAMS:
-            self.open_one()
-        for request_id in self.live:
-            self.hook.stream_updated(request_id, kv_blocks=4, tokens_out=second)
+
+@dataclass
+class Stalled:
+    """One stalled client: the reader and what became of it."""
+
+    reader: Reader
+    started: float
+    outcome: str = ""  # "reset", "missed" or "" (still open)
+
+
+@dataclass
+class Trickle:
+    """Starts a stalled client every STALL_EVERY_SECONDS and closes each once it is reset
+    (or given up on)."""
+
+    lab: Lab
+    started: int = 0
+    open: list[Stalled] = field(default_factory=list)
+    done: list[Stalled] = field(default_factory=list)
+
+    def start_one(self, now: float) -> None:
+        if len(self.open) >= MAX_STALLED_OPEN:
+            return
+        buffer, read_seconds = STALLED_SHAPES[self.started % len(STALLED_SHAPES)]
+        name = f"stalled-{self.started}-{buffer}-{read_seconds:g}s"
+        reader = Reader(name, buffer, STALLED_RATE, read_seconds=read_seconds)
+        self.started += 1
+        try:
+            reader.connect(self.lab.net.client_socket(), self.lab.net.server_ip, SOAK_PORT)
+        except OSError:
+            reader.close()
+            return
+        self.open.append(Stalled(reader, now))
+
+    def check(self, now: float) -> None:
+        for stalled in list(self.open):
+            if stalled.reader.reset_ns:
+                stalled.outcome = "reset"
+            elif now - stalled.started > STALL_WAIT_SECONDS:
+                stalled.outcome = "missed"
+            else:
+                continue
+            stalled.reader.close()
+            self.open.remove(stalled)
+            self.done.append(stalled)
+
+    def close(self) -> None:
+        for stalled in self.open:
+            stalled.reader.close()
+
+    def all(self) -> list[Stalled]:
+        return [*self.done, *self.open]
 
 
 def _no_request(request_id: str, reason: str) -> CancelOutcome:
     return CancelOutcome(request_id, "unknown_request", 0, 0, detail=reason)
 
 
-def run_soak(seconds: float) -> dict[str, Any]:
-    context = multiprocessing.get_context("fork")
-    listener = socket.create_server(("127.0.0.1", 0), backlog=4096)
-    port = listener.getsockname()[1]
-    made: Synchronized[int] = context.Value("q", 0)
-    children = [
-        context.Process(target=accept_and_close, args=(listener,), daemon=True),
-        context.Process(target=churn, args=(port, CHURN_PER_SECOND, made), daemon=True),
-    ]
-    with tempfile.TemporaryDirectory(prefix="kvwatch-soak-") as tmp, Stack(Path(tmp)) as stack:
-        service = stack.start_agent("--mode", "observe", "--max-sockets", "65536", port=port)
-        agent = psutil.Process(service.pid)
-        hook = EngineHook(
-            EngineInfo("soak", "m", 1, 16, "cpu", 1 << 20), _no_request, str(stack.hook_socket)
-        )
-        hook.start()
-        streams = Streams(hook, port)
-        for child in children:
-            child.start()
-        try:
-            samples, metrics, failed_scrapes = sample(agent, stack, streams, made, seconds)
-        finally:
-            hook.stop()
-            for child in children:
-                child.kill()
-        health = httpx.get(f"{stack.agent_url}/healthz", timeout=5).json()
-    listener.close()
-    result = summarize(samples, seconds, made.value, streams.opened, health["backend"])
-    last_scrape = {name: metrics.get(name) for name in REPORTED_SERIES}
-    return {**result, "failed_scrapes": failed_scrapes, "last_scrape": last_scrape}
+class Announced:
+    """ANNOUNCED_STREAMS requests announced over the engine hook on the watched port, from
+    client addresses no socket has; a tenth replaced every second."""
+
+    def __init__(self, hook: EngineHook, server_ip: str) -> None:
+        self.hook = hook
+        self.server_ip = server_ip
+        self.live: list[str] = []
+        self.opened = 0
+
+    def tick(self, second: int) -> None:
+        for request_id in self.live[:REPLACED_PER_SECOND]:
+            self.hook.stream_closed(request_id, "finished")
+        self.live = self.live[REPLACED_PER_SECOND:]
+        while len(self.live) < ANNOUNCED_STREAMS:
+            request_id = f"soak-{self.opened}"
+            self.hook.stream_opened(
+                request_id,
+                (self.server_ip, SOAK_PORT),
+                ("192.0.2.1", 1024 + self.opened % 60000),
+                kv_blocks=4,
+            )
+            self.live.append(request_id)
+            self.opened += 1
+        for request_id in self.live:
+            self.hook.stream_updated(request_id, kv_blocks=4, tokens_out=second)
 
 
-def sample(
-    agent: psutil.Process,
-    stack: Stack,
-    streams: Streams,
-    made: Synchronized[int],
-    seconds: float,
-) -> tuple[list[dict[str, float]], dict[str, float], int]:
-    """One row per second (time, RSS, descriptors, connections so far; CPU per window), the
-    last successful scrape and how many scrapes failed (2 s timeout, as `scrape` has)."""
-    start = time.monotonic()
-    rows: list[dict[str, float]] = []
-    window_cpu, window_start = sum(agent.cpu_times()[:2]), start
-    cpu_percent = 0.0
-    next_scrape = start
-    metrics: dict[str, float] = {}
-    failed_scrapes = 0
-    second = 0
-    while (now := time.monotonic()) - start < seconds:
-        streams.tick(second)
-        if now >= next_scrape:
-            try:
-                metrics = scrape(f"{stack.agent_url}/metrics")
-            except httpx.HTTPError:
-                failed_scrapes += 1
-            next_scrape += SCRAPE_SECONDS
-        if now - window_start >= SAMPLE_WINDOW_SECONDS:
-            cpu = sum(agent.cpu_times()[:2])
-            cpu_percent = 100 * (cpu - window_cpu) / (now - window_start)
-            window_cpu, window_start = cpu, now
-        rows.append(
-            {
-                "t": round(now - start, 1),
-                "rss_mb": round(agent.memory_info().rss / MB, 2),
-                "cpu_percent_of_core": round(cpu_percent, 1),
-                "descriptors": agent.num_fds(),
-                "connections": made.value,
-                "streams_opened": streams.opened,
-            }
-        )
-        second += 1
-        time.sleep(max(0.0, start + second - time.monotonic()))
-    return rows, metrics, failed_scrapes
+# ------------------------------------------------------------------------- measurement
 
 
-def summarize(
-    rows: list[dict[str, float]], seconds: float, connections: int, opened: int, backend: str
-) -> dict[str, Any]:
-    def peak(low: float, high: float) -> float:
-        return max(r["rss_mb"] for r in rows if low * seconds <= r["t"] < high * seconds)
+class AuditTail:
+    """The agent's audit log read as it grows: the act decisions and reset outcomes by
+    client address."""
 
-    warm = [r for r in rows if r["t"] >= WARMUP_SECONDS]
-    second_quarter, second_half = peak(0.25, 0.5), peak(0.5, 1.01)
-    cpu = [r["cpu_percent_of_core"] for r in warm if r["cpu_percent_of_core"]]
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.acts: dict[str, dict[str, Any]] = {}
+        self.resets: set[str] = set()
+        self.outcomes: dict[str, int] = {}
+
+    def read(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as audit:
+            audit.seek(self.offset)
+            chunk = audit.read()
+        end = chunk.rfind(b"\n") + 1
+        self.offset += end
+        for line in chunk[:end].splitlines():
+            entry = json.loads(line)
+            if entry["kind"] == "decision" and entry["verdict"] == "act":
+                self.acts.setdefault(entry["remote"], entry)
+            elif entry["kind"] == "outcome":
+                status = entry["result"]["status"]
+                self.outcomes[status] = self.outcomes.get(status, 0) + 1
+                if status == "reset":
+                    self.resets.add(entry["remote"])
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """RSS and its anonymous part (bytes) and threads from /proc/PID/status, descriptors
+    from /proc/PID/fd, CPU ticks (user + system) from /proc/PID/stat."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    ticks = stat[stat.rindex(")") + 2 :].split()
     return {
-        "seconds": seconds,
-        "backend": backend,
-        "churn_target_per_second": CHURN_PER_SECOND,
-        "connections_made": connections,
-        "connections_per_second": round(connections / seconds),
-        "announced_streams": ANNOUNCED_STREAMS,
-        "streams_opened_in_total": opened,
-        "rss_mb": {
-            "start": warm[0]["rss_mb"],
-            "peak_second_quarter": second_quarter,
-            "peak_second_half": second_half,
-            "end": rows[-1]["rss_mb"],
-        },
-        "rss_plateaus": second_half <= second_quarter * PLATEAU_GROWTH + PLATEAU_SLACK_MB,
-        "cpu_percent_of_core": {
-            "mean": round(sum(cpu) / len(cpu), 1) if cpu else 0.0,
-            "max": max(cpu, default=0.0),
-        },
-        "descriptors_max": max(r["descriptors"] for r in rows),
-        "samples": rows,
+        "rss_bytes": int(fields["VmRSS"].split()[0]) * 1024,
+        "rss_anon_bytes": int(fields["RssAnon"].split()[0]) * 1024,
+        "threads": int(fields["Threads"]),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "cpu_ticks": int(ticks[11]) + int(ticks[12]),
     }
 
 
-def plot(result: dict[str, Any]) -> None:
+def total(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    wanted = [f"{key}={value}" for key, value in labels.items()]
+    found = 0.0
+    for key, value in metrics.items():
+        base, _, rest = key.partition("{")
+        if base == name and all(w in rest.rstrip("}").split(",") for w in wanted):
+            found += value
+    return found
+
+
+@dataclass
+class Run:
+    """Everything running during the soak, and what was counted."""
+
+    agent: Stack
+    pid: int
+    lab: Lab
+    live: list[Reader]
+    trickle: Trickle
+    audit: AuditTail
+    made: Synchronized[int]
+    failed: Synchronized[int]
+    start: float = 0.0
+    last_ticks: int = 0
+    last_time: float = 0.0
+    failed_scrapes: int = 0
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+    def live_cut(self) -> list[str]:
+        return [r.name for r in self.live if r.reset_ns or r.local in self.audit.acts]
+
+    def sample(self, now: float) -> None:
+        proc = proc_status(self.pid)
+        cpu = 100 * (proc["cpu_ticks"] - self.last_ticks) / CLOCK_TICKS / (now - self.last_time)
+        self.last_ticks, self.last_time = proc["cpu_ticks"], now
+        self.audit.read()
+        row: dict[str, Any] = {
+            "t": round(now - self.start, 1),
+            "rss_mb": round(proc["rss_bytes"] / MB, 2),
+            "rss_anon_mb": round(proc["rss_anon_bytes"] / MB, 2),
+            "fds": proc["fds"],
+            "threads": proc["threads"],
+            "cpu_percent_of_core": round(cpu, 1),
+            "log_bytes": self.agent.services[-1].log.stat().st_size,
+            "connections_made": self.made.value,
+            "stalled_started": self.trickle.started,
+            "stalled_reset": sum(s.outcome == "reset" for s in self.trickle.done),
+            "acts": len(self.audit.acts),
+            "live_readers_cut": len(self.live_cut()),
+        }
+        try:
+            health = httpx.get(f"{self.agent.agent_url}/healthz", timeout=2).json()
+            metrics = scrape(f"{self.agent.agent_url}/metrics")
+        except httpx.HTTPError:
+            self.failed_scrapes += 1
+            self.samples.append(row)
+            return
+        table = health["socket_table"] or {}
+        row |= {
+            "table_tracked": table.get("tracked"),
+            "table_evictions": table.get("evictions"),
+            "sockets_seen": table.get("sockets_seen"),
+            "streams": {
+                key.partition("state=")[2].rstrip("}"): int(value)
+                for key, value in metrics.items()
+                if key.startswith("kvwatch_streams{state=")
+            },
+            "decisions_act": int(total(metrics, "kvwatch_policy_decisions_total", verdict="act")),
+            "decisions": int(total(metrics, "kvwatch_policy_decisions_total")),
+            "actions_reset": int(total(metrics, "kvwatch_actions_total", result="reset")),
+            "actions": int(total(metrics, "kvwatch_actions_total")),
+            "timelines_live": int(total(metrics, "kvwatch_agent_timelines", state="live")),
+            "timelines_finished": int(total(metrics, "kvwatch_agent_timelines", state="finished")),
+            "announced": int(total(metrics, "kvwatch_streams_engine_announced")),
+            "bpf_events_sent": int(total(metrics, "kvwatch_bpf_events_sent_total")),
+            "bpf_events_dropped": int(total(metrics, "kvwatch_bpf_events_dropped_total")),
+        }
+        self.samples.append(row)
+
+
+def drive(run: Run, seconds: float, announced: Announced) -> int | None:
+    """The load and the samples for `seconds`; the agent's exit status if it died."""
+    run.start = run.last_time = time.monotonic()
+    run.last_ticks = proc_status(run.pid)["cpu_ticks"]
+    next_sample, next_stall, second = run.start, run.start + 2.0, 0
+    popen = run.agent.services[-1].popen
+    while (now := time.monotonic()) - run.start < seconds:
+        if popen.poll() is not None:
+            return popen.returncode
+        if now >= next_stall:
+            run.trickle.start_one(now)
+            next_stall += STALL_EVERY_SECONDS
+        run.trickle.check(now)
+        if now - run.start >= second:
+            announced.tick(second)
+            second += 1
+        if now >= next_sample:
+            try:
+                run.sample(now)
+            except OSError:  # /proc/PID is gone: the agent died since the poll above
+                return popen.wait()
+            next_sample += SAMPLE_SECONDS
+        time.sleep(TICK_SECONDS)
+    run.trickle.check(time.monotonic())
+    try:
+        run.sample(time.monotonic())
+    except OSError:
+        return popen.wait()
+    return None
+
+
+# ---------------------------------------------------------------------------- summary
+
+
+def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares line through (seconds, value): (slope per second, value at 0)."""
+    if len(points) < 3:
+        return None
+    mean_t = statistics.fmean(t for t, _ in points)
+    mean_v = statistics.fmean(v for _, v in points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    slope = sum((t - mean_t) * (v - mean_v) for t, v in points) / spread
+    return slope, mean_v - slope * mean_t
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float | None:
+    fit = linear_fit(points)
+    return None if fit is None else 3600 * fit[0]
+
+
+def stalled_client(stalled: Stalled, acts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One stalled client: its shape, whether it was acted on, and when."""
+    reader, act = stalled.reader, acts.get(stalled.reader.local)
+    row: dict[str, Any] = {
+        "name": reader.name,
+        "buffer": reader.buffer,
+        "reads_for_s": reader.read_seconds,
+        "acted": act is not None,
+        "client_reset": bool(reader.reset_ns),
+        "outcome": stalled.outcome or "open at the end",
+    }
+    if act is not None:
+        evidence = act["evidence"]
+        row["required_s"] = evidence["stall_required_seconds"]
+        row["stalled_s"] = evidence["stalled_seconds"]
+        if reader.stopped_ns:
+            row["decision_after_last_read_s"] = round(
+                (act["monotonic_ns"] - reader.stopped_ns) / 1e9, 2
+            )
+    return row
+
+
+def spread(values: list[float]) -> dict[str, float | None]:
+    return {
+        "median": round(statistics.median(values), 2) if values else None,
+        "max": round(max(values), 2) if values else None,
+    }
+
+
+def stalled_summary(run: Run, end_ns: int) -> dict[str, Any]:
+    acts = run.audit.acts
+    stalled = run.trickle.all()
+    clients = [stalled_client(s, acts) for s in stalled]
+    after_stop = [
+        c["decision_after_last_read_s"] for c in clients if "decision_after_last_read_s" in c
+    ]
+    required = [c["required_s"] for c in clients if "required_s" in c]
+    pending = [s for s in stalled if not s.outcome and s.reader.local not in acts]
+    by_shape = {
+        f"{buffer}, reads {reads_for:g} s": {
+            "decision_after_last_read_s": spread(
+                [
+                    c["decision_after_last_read_s"]
+                    for c in clients
+                    if c["buffer"] == buffer
+                    and c["reads_for_s"] == reads_for
+                    and "decision_after_last_read_s" in c
+                ]
+            ),
+            "required_s": spread(
+                [
+                    c["required_s"]
+                    for c in clients
+                    if c["buffer"] == buffer and c["reads_for_s"] == reads_for and "required_s" in c
+                ]
+            ),
+        }
+        for buffer, reads_for in STALLED_SHAPES
+    }
+    return {
+        "started": run.trickle.started,
+        "acted_on": sum(s.reader.local in acts for s in stalled),
+        "reset_seen_by_client": sum(bool(s.reader.reset_ns) for s in stalled),
+        "missed": [s.reader.name for s in stalled if s.outcome == "missed"],
+        "pending_at_end": [
+            {"name": s.reader.name, "age_s": round(end_ns / 1e9 - s.started, 1)} for s in pending
+        ],
+        "decision_after_last_read_s": spread(after_stop),
+        "required_s": spread(required),
+        "by_shape": by_shape,
+        "clients": clients,
+    }
+
+
+def live_summary(run: Run, seconds: float) -> dict[str, Any]:
+    short = [
+        {"name": r.name, "bytes_read": r.bytes_read, "expected": int(r.rate * seconds)}
+        for r in run.live
+        if r.bytes_read < 0.9 * r.rate * (seconds - 5)
+    ]
+    return {
+        "readers": len(run.live),
+        "cut": run.live_cut(),
+        "read_less_than_90_percent_of_their_rate": short,
+        "bytes_read": {r.name: r.bytes_read for r in run.live},
+    }
+
+
+def summarize(run: Run, seconds: float, agent_exit: int | None) -> dict[str, Any]:
+    rows = run.samples
+    warmup = min(WARMUP_SECONDS, seconds / 5)
+    warm = [r for r in rows if r["t"] >= warmup] or rows
+    elapsed = rows[-1]["t"]
+    rss = [r["rss_mb"] for r in rows]
+    fds = [r["fds"] for r in rows]
+    slope = slope_per_hour([(r["t"], r["rss_mb"]) for r in warm])
+    half = [r for r in rows if r["t"] >= elapsed / 2]
+    half_slope = slope_per_hour([(r["t"], r["rss_mb"]) for r in half])
+    anon_slope = slope_per_hour([(r["t"], r["rss_anon_mb"]) for r in warm])
+    fd_slope = slope_per_hour([(r["t"], r["fds"]) for r in warm])
+    cpu = [r["cpu_percent_of_core"] for r in rows[1:]]
+    unexplained = sorted(
+        set(run.audit.acts)
+        - {s.reader.local for s in run.trickle.all()}
+        - {r.local for r in run.live}
+    )
+    return {
+        "elapsed_s": elapsed,
+        "agent_exit_status": agent_exit,
+        "rss_mb": {
+            "start": rss[0],
+            "after_warmup": warm[0]["rss_mb"],
+            "end": rss[-1],
+            "max": max(rss),
+            "slope_mb_per_hour_after_warmup": round(slope, 2) if slope is not None else None,
+            "slope_mb_per_hour_second_half": (
+                round(half_slope, 2) if half_slope is not None else None
+            ),
+            "anon_slope_mb_per_hour_after_warmup": (
+                round(anon_slope, 2) if anon_slope is not None else None
+            ),
+            "warmup_s": warmup,
+        },
+        "fds": {
+            "start": fds[0],
+            "end": fds[-1],
+            "max": max(fds),
+            "slope_per_hour_after_warmup": round(fd_slope, 2) if fd_slope is not None else None,
+        },
+        "threads_max": max(r["threads"] for r in rows),
+        "cpu_percent_of_core": {
+            "mean": round(statistics.fmean(cpu), 1) if cpu else None,
+            "max": max(cpu, default=None),
+        },
+        "log_bytes_end": rows[-1]["log_bytes"],
+        "churn": {
+            "target_per_second": CHURN_PER_SECOND,
+            "connections_made": run.made.value,
+            "failed": run.failed.value,
+            "achieved_per_second": round(run.made.value / elapsed) if elapsed else 0,
+        },
+        "stalled": stalled_summary(run, time.monotonic_ns()),
+        "live": live_summary(run, elapsed),
+        "acts_on_other_connections": unexplained,
+        "audit_outcomes": run.audit.outcomes,
+        "failed_scrapes": run.failed_scrapes,
+    }
+
+
+def provenance() -> dict[str, Any]:
+    """Which code ran: the checkout the kvwatch package comes from, its commit and any
+    uncommitted change under the agent's sources there."""
+    import kvwatch
+
+    source = Path(kvwatch.__file__).resolve().parent
+    root = source.parent
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=False
+        )
+        return done.stdout.strip()
+
+    return {
+        "kvwatch_from": str(source),
+        "commit": git("rev-parse", "HEAD"),
+        "uncommitted": git("status", "--porcelain", "--", "agent", "exporters", "bpf").splitlines(),
+    }
+
+
+# ------------------------------------------------------------------------------- run
+
+
+def run_soak(seconds: float) -> dict[str, Any]:
+    context = multiprocessing.get_context("fork")
+    made: Synchronized[int] = context.Value("q", 0)
+    failed: Synchronized[int] = context.Value("q", 0)
+    with tempfile.TemporaryDirectory(prefix="kvwatch-soak-") as tmp:
+        workdir = Path(tmp)
+        lab = start_lab(workdir)
+        agent = Stack(workdir)
+        hook: EngineHook | None = None
+        churner = context.Process(
+            target=churn,
+            args=(lab.net.client_ns, lab.net.server_ip, seconds, made, failed),
+            daemon=True,
+        )
+        trickle = Trickle(lab)
+        try:
+            service = agent.start_agent(*AGENT_ARGS, port=SOAK_PORT)
+            health = httpx.get(f"{agent.agent_url}/healthz", timeout=5).json()
+            hook = EngineHook(
+                EngineInfo("soak", "m", 1, 16, "cpu", 1 << 20), _no_request, str(agent.hook_socket)
+            )
+            hook.start()
+            churner.start()
+            for rate in LIVE_RATES:
+                for buffer in LIVE_BUFFERS:
+                    for i in range(LIVE_PER_SHAPE):
+                        reader = Reader(f"live-{buffer}-{rate}-{i}", buffer, rate)
+                        lab.readers.append(reader)
+                        reader.connect(lab.net.client_socket(), lab.net.server_ip, SOAK_PORT)
+            live = list(lab.readers)
+            run = Run(agent, service.pid, lab, live, trickle, AuditTail(agent.audit), made, failed)
+            agent_exit = drive(run, seconds, Announced(hook, lab.net.server_ip))
+            log_tail = service.log.read_text(errors="replace")[-4000:]
+        finally:
+            if churner.pid is not None:
+                churner.terminate()
+                churner.join(5)
+            if hook is not None:
+                hook.stop()
+            trickle.close()
+            agent.close()
+            lab.close()
+    result = {
+        "settings": settings(seconds, health),
+        "provenance": provenance(),
+        "summary": summarize(run, seconds, agent_exit),
+        "samples": run.samples,
+    }
+    if agent_exit is not None:
+        result["agent_log_tail"] = log_tail
+    return result
+
+
+def settings(seconds: float, health: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "seconds": seconds,
+        "sample_seconds": SAMPLE_SECONDS,
+        "agent": " ".join(["kvwatch run --port", str(SOAK_PORT), *AGENT_ARGS]),
+        "backend": health["backend"],
+        "server_bytes_per_second": SERVER_BYTES_PER_SECOND,
+        "min_reader_bytes_per_second": GUARANTEE,
+        "churn_per_second": CHURN_PER_SECOND,
+        "live_readers": {
+            "count": LIVE_READERS,
+            "rates": list(LIVE_RATES),
+            "buffers": list(LIVE_BUFFERS),
+        },
+        "stalled": {
+            "every_s": STALL_EVERY_SECONDS,
+            "shapes": [{"buffer": b, "reads_for_s": s} for b, s in STALLED_SHAPES],
+            "rate_before_stopping": STALLED_RATE,
+            "wait_s": STALL_WAIT_SECONDS,
+            "max_open": MAX_STALLED_OPEN,
+        },
+        "announced_streams": ANNOUNCED_STREAMS,
+        "replaced_per_second": REPLACED_PER_SECOND,
+    }
+
+
+def plot(result: dict[str, Any], output: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["samples"]
-    times = [r["t"] for r in rows]
-    fig, (memory, cpu) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    memory.plot(times, [r["rss_mb"] for r in rows], color="tab:green")
+    rows, summary = result["samples"], result["summary"]
+    minutes = [r["t"] / 60 for r in rows]
+    fig, (memory, fds, work) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    memory.plot(minutes, [r["rss_mb"] for r in rows], color="tab:green", label="RSS")
+    end = rows[-1]["t"]
+    for name, since, style in (
+        ("after warm-up", summary["rss_mb"]["warmup_s"], ":"),
+        ("second half", end / 2, "--"),
+    ):
+        fit = linear_fit([(r["t"], r["rss_mb"]) for r in rows if r["t"] >= since])
+        if fit is None:
+            continue
+        memory.plot(
+            [since / 60, end / 60],
+            [fit[1] + fit[0] * since, fit[1] + fit[0] * end],
+            color="black",
+            linestyle=style,
+            linewidth=0.8,
+            label=f"fit {name}: {3600 * fit[0]:+.2f} MB/h",
+        )
     memory.set_ylabel("agent RSS (MB)")
+    memory.legend(loc="lower right")
+    churn_stats, stalled, live = summary["churn"], summary["stalled"], summary["live"]
     memory.set_title(
-        f"soak: {result['connections_per_second']:,} connections/s, "
-        f"{result['announced_streams']} announced streams ({result['backend']})"
+        f"soak, {summary['elapsed_s'] / 60:.0f} min: {churn_stats['achieved_per_second']} "
+        f"connections/s, {live['readers']} live readers ({len(live['cut'])} cut),\n"
+        f"{stalled['started']} stalled clients: {stalled['acted_on']} cut, "
+        f"{len(stalled['missed'])} missed, {len(stalled['pending_at_end'])} still open at the end"
     )
-    cpu.plot(times, [r["cpu_percent_of_core"] for r in rows], color="tab:blue")
-    cpu.set_ylabel("agent CPU (% of a core)")
-    cpu.set_xlabel("seconds")
+    fds.plot(minutes, [r["fds"] for r in rows], color="tab:blue", label="open descriptors")
+    fds.plot(minutes, [r["threads"] for r in rows], color="tab:grey", label="threads")
+    fds.set_ylabel("agent descriptors, threads")
+    fds.set_ylim(bottom=0)
+    fds.legend(loc="lower right")
+    work.plot(
+        minutes,
+        [r.get("table_tracked") for r in rows],
+        color="tab:purple",
+        label="socket table (tracked)",
+    )
+    work.plot(minutes, [r["acts"] for r in rows], color="tab:red", label="stalls acted on")
+    work.plot(minutes, [r["live_readers_cut"] for r in rows], color="black", label="live cut")
+    work.set_xlabel("minutes")
+    work.legend(loc="upper left")
     fig.tight_layout()
-    fig.savefig(RESULTS / "soak.png", dpi=100)
+    fig.savefig(output / "soak.png", dpi=100)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bench_soak",
+        description=(
+            "Soak a real kvwatch agent (enforce mode, reset action) for minutes under "
+            f"connection churn ({CHURN_PER_SECOND}/s), {LIVE_READERS} live readers at 4-8 KB/s "
+            f"and a stalled client every {STALL_EVERY_SECONDS:g} s, in a network-namespace "
+            f"lab. Measures, every {SAMPLE_SECONDS:g} s, the agent's RSS, open descriptors, "
+            "threads and CPU, its socket table and decision/action counts, and the live "
+            "readers cut (must be 0). Writes soak.json and soak.png. Root only."
+        ),
+    )
+    parser.add_argument("--minutes", type=float, default=None, help="default 10")
+    parser.add_argument(
+        "--short",
+        action="store_true",
+        help=f"a {SHORT_MINUTES:g}-minute smoke run; results to a temporary directory",
+    )
+    parser.add_argument("--output", type=Path, default=None, help="where soak.json and soak.png go")
+    return parser.parse_args()
 
 
 def main() -> None:
-    seconds = float(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_SECONDS
-    result = run_soak(seconds)
-    path = write_result("soak", result)
-    plot(result)
-    rss = result["rss_mb"]
-    print(
-        f"{result['connections_made']:,} connections ({result['connections_per_second']:,}/s), "
-        f"{result['streams_opened_in_total']:,} streams opened; RSS {rss['start']} MB at start, "
-        f"peak {rss['peak_second_quarter']} MB in the second quarter, "
-        f"{rss['peak_second_half']} MB in the second half, {rss['end']} MB at the end "
-        f"(plateau: {result['rss_plateaus']}); CPU {result['cpu_percent_of_core']}"
+    args = parse_args()
+    minutes = args.minutes or (SHORT_MINUTES if args.short else DEFAULT_MINUTES)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        result = run_soak(60 * minutes)
+    except (KeyboardInterrupt, TerminatedError):
+        print("interrupted: everything started was stopped; nothing written")
+        raise SystemExit(130) from None
+    output: Path = args.output or (
+        Path(tempfile.mkdtemp(prefix="kvwatch-soak-results-")) if args.short else RESULTS
     )
-    print(f"written to {path}")
+    if output.resolve() == RESULTS.resolve():
+        path = write_result("soak", result)
+    else:
+        output.mkdir(parents=True, exist_ok=True)
+        path = output / "soak.json"
+        payload = {"kernel": platform.release(), "machine": platform.machine(), **result}
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+    plot(result, output)
+    summary = result["summary"]
+    shown = summary | {
+        "live": {k: v for k, v in summary["live"].items() if k != "bytes_read"},
+        "stalled": {k: v for k, v in summary["stalled"].items() if k != "clients"},
+    }
+    print(json.dumps(shown, indent=2))
+    print(f"written to {path} and {output / 'soak.png'}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from kvwatch.loadgen.report import CLIENT_CLASSES, ClassStats, ClientClass, Load
 
 MAX_MODELS_BYTES = 1024 * 1024
 ProgressCallback = Callable[[LoadReport], None]
+# What a server that is not OpenAI-compatible (or not there) makes reading /v1/models raise.
 _MODEL_LIST_ERRORS = (
     OSError,
     asyncio.TimeoutError,
@@ -162,14 +163,7 @@ async def _first_model(target: Target, sock: socket.socket, timeout_seconds: flo
         if not isinstance(model, str):
             raise ValueError(f"model id {model!r} is not a string")
         return model
-    except (
-        OSError,
-        asyncio.TimeoutError,
-        ResponseError,
-        ValueError,
-        LookupError,
-        TypeError,
-    ) as exc:
+    except _MODEL_LIST_ERRORS as exc:
         raise KvwatchError(
             f"could not read a model name from {url}: {exc or type(exc).__name__}",
             "pass the model name with --model",

@@ -14,11 +14,31 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Source = Literal["bpf", "inet_diag"]
-# Linux TCP states (include/net/tcp_states.h) in which the application has closed its sending
-# side, by close() or shutdown(SHUT_WR): FIN_WAIT1, FIN_WAIT2, TIME_WAIT, CLOSE, LAST_ACK,
-# CLOSING. Nothing writes to such a socket any more; the kernel sends what was queued (and
-# gives up on its own: tcp_orphan_retries, tcp_fin_timeout).
+# Linux TCP states (include/net/tcp_states.h), by number.
+TCP_STATE_NAMES = {
+    1: "ESTABLISHED",
+    2: "SYN_SENT",
+    3: "SYN_RECV",
+    4: "FIN_WAIT1",
+    5: "FIN_WAIT2",
+    6: "TIME_WAIT",
+    7: "CLOSE",
+    8: "CLOSE_WAIT",
+    9: "LAST_ACK",
+    10: "LISTEN",
+    11: "CLOSING",
+}
+TCP_CLOSE = 7
+TCP_CLOSE_WAIT = 8
+# The states in which the application has closed its sending side, by close() or
+# shutdown(SHUT_WR): FIN_WAIT1, FIN_WAIT2, TIME_WAIT, CLOSE, LAST_ACK, CLOSING. Nothing writes
+# to such a socket any more; the kernel sends what was queued (and gives up on its own:
+# tcp_orphan_retries, tcp_fin_timeout).
 SENDER_CLOSED_STATES = frozenset({4, 5, 6, 7, 9, 11})
+
+
+def tcp_state_name(state: int) -> str:
+    return TCP_STATE_NAMES.get(state, str(state))
 
 
 def sndbuf_full(wmem_queued: int, sndbuf: int) -> bool:

@@ -10,8 +10,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvwatch.api.state import AgentState
 from kvwatch.exporters.durations import EpisodeDurations
-from kvwatch.streams.join import StreamView
 from kvwatch.streams.states import StreamState
+from kvwatch.streams.view import StreamView
 
 # Which of a request's sockets names its state in the KV gauges: the one furthest gone.
 SEVERITY = (

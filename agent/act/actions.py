@@ -21,7 +21,7 @@ from kvwatch.errors import KvwatchError
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.hookserver.server import HookServer
 from kvwatch.sockets import SocketSample
-from kvwatch.streams.join import StreamView
+from kvwatch.streams.view import StreamView
 
 CANCEL_TIMEOUT_SECONDS = 2.0
 # After a reset, how long the agent waits for the engine to close the request the connection

@@ -20,8 +20,9 @@ from kvwatch.act.episodes import Episode, Unfinished
 from kvwatch.act.record import Recorder
 from kvwatch.policy.decide import Decider, retry_after
 from kvwatch.policy.rules import Decision
-from kvwatch.streams.join import Joiner, StreamView
+from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import Cancels
+from kvwatch.streams.view import StreamView
 
 log = logging.getLogger(__name__)
 

@@ -14,22 +14,8 @@ from typing import Any
 
 from kvwatch.collect.diag.kernel_view import CheckedViews, heard_ns
 from kvwatch.collect.diag.wire import DiagEntry
-from kvwatch.sockets import SocketSample
+from kvwatch.sockets import SocketSample, tcp_state_name
 from kvwatch.streams.states import StallJudgement, StatePolicy, judge
-
-TCP_STATE_NAMES = {
-    1: "ESTABLISHED",
-    2: "SYN_SENT",
-    3: "SYN_RECV",
-    4: "FIN_WAIT1",
-    5: "FIN_WAIT2",
-    6: "TIME_WAIT",
-    7: "CLOSE",
-    8: "CLOSE_WAIT",
-    9: "LAST_ACK",
-    10: "LISTEN",
-    11: "CLOSING",
-}
 
 
 @dataclass(frozen=True)
@@ -47,14 +33,10 @@ class KernelCheck:
     kernel: dict[str, Any] | None
 
 
-def state_name(tcp_state: int) -> str:
-    return TCP_STATE_NAMES.get(tcp_state, str(tcp_state))
-
-
 def kernel_evidence(entry: DiagEntry, observed_ns: int, now_ns: int) -> dict[str, Any]:
     info = entry.tcp_info
     return {
-        "tcp_state": state_name(entry.tcp_state),
+        "tcp_state": tcp_state_name(entry.tcp_state),
         "bytes_acked": info.bytes_acked,
         "last_ack_seconds_ago": round((now_ns - heard_ns(entry, observed_ns)) / 1e9, 3),
         "peer_rwnd": info.snd_wnd,
@@ -68,7 +50,7 @@ def _differences(record: SocketSample, kernel: SocketSample, now_ns: int) -> lis
     """What the kernel knows that the record did not, for people."""
     found = []
     if kernel.sender_closed:
-        found.append(f"the sender has closed ({state_name(kernel.tcp_state)})")
+        found.append(f"the sender has closed ({tcp_state_name(kernel.tcp_state)})")
     if kernel.bytes_acked > record.bytes_acked:
         found.append(f"{kernel.bytes_acked - record.bytes_acked} more bytes acknowledged")
     if kernel.last_ack_ns > record.last_ack_ns:

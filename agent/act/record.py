@@ -15,8 +15,8 @@ from typing import Any
 from kvwatch.act.audit import AuditLog
 from kvwatch.act.episodes import Episode
 from kvwatch.policy.rules import Decision
-from kvwatch.streams.join import StreamView
 from kvwatch.streams.timeline import Timelines, connection_id
+from kvwatch.streams.view import StreamView
 
 EVENTS_KEPT = 2000
 

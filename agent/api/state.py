@@ -13,9 +13,9 @@ from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.table import OpenedCollector, TableStatus
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.sockets import SocketSample
-from kvwatch.streams.join import StreamView
 from kvwatch.streams.states import StatePolicy
 from kvwatch.streams.timeline import Timeline
+from kvwatch.streams.view import StreamView
 
 
 class HookStatus(Protocol):

@@ -17,17 +17,17 @@ from typing import Literal, Protocol, get_args
 
 from kvwatch.collect.bpf.collector import BpfBackend, BpfCollector
 from kvwatch.collect.bpf.loader import BTF_PATH, AttachReport, CollectorSettings
-from kvwatch.collect.diag.kernel_view import TCP_CLOSE_WAIT, CheckedViews
+from kvwatch.collect.diag.kernel_view import CheckedViews
 from kvwatch.collect.diag.namespaces import NamespacedDiag
 from kvwatch.collect.diag.tracker import DiagTracker
 from kvwatch.collect.procfs import Procfs, SocketOwners
 from kvwatch.errors import ConfigError, KvwatchError
-from kvwatch.sockets import Endpoint, SocketSample
+from kvwatch.sockets import TCP_CLOSE, TCP_CLOSE_WAIT, Endpoint, SocketSample
 
 # After the kernel's socket table last evicted a record, sock_diag sweeps for the stalls it
 # has no room for, for this long.
 SWEEP_AFTER_EVICTION_SECONDS = 60.0
-CLOSED_INODES_KEPT = 65536
+DRAINING_INODES_KEPT = 4096
 Backend = Literal["auto", "core", "bcc", "diag"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 BACKEND_TITLES = {"core": "CO-RE", "bcc": "BCC", "diag": "sock_diag polling"}
@@ -143,9 +143,10 @@ class MergedCollector:
         self.bootstrapping = True
         self._swept_until_ns = 0
         self.handover: dict[ConnectionKey, SocketSample] = {}
-        # Inodes of sockets seen with their sender closed, whose owner was looked up again
-        # (bounded: forgotten together once it grows past CLOSED_INODES_KEPT).
-        self._closed_inodes: set[int] = set()
+        # Inodes of sockets seen draining after their sender closed, whose owner was looked
+        # up again; each leaves when its socket closes (and all of them past
+        # DRAINING_INODES_KEPT, should close events be lost).
+        self._draining_inodes: set[int] = set()
         self.checked = CheckedViews()
         # The bootstrap snapshot is taken now, at attach time, so a socket that was already
         # stalled is timed from the agent's start, not from its first report.
@@ -212,18 +213,23 @@ class MergedCollector:
 
     def _with_owner(self, sample: SocketSample) -> SocketSample:
         """BPF learns the owner at the first send; before that, /proc tells it by inode. A
-        socket whose sender has closed is looked up again: once no process holds it (an
-        orphan, draining after close()), it has no owner, whoever wrote to it last."""
-        if not sample.inode or (sample.pid and not sample.sender_closed):
+        socket whose sender has closed while data is still queued is looked up again: once no
+        process holds it (an orphan, draining after close()), it has no owner, whoever wrote
+        to it last."""
+        draining = sample.sender_closed and sample.pending_bytes > 0
+        if sample.tcp_state == TCP_CLOSE or (sample.sender_closed and not draining):
+            self._draining_inodes.discard(sample.inode)
+            return sample  # gone, or nothing left to send: whose it was no longer matters
+        if not sample.inode or (sample.pid and not draining):
             return sample  # socket inodes are unique across namespaces
-        if sample.sender_closed and sample.inode not in self._closed_inodes:
-            if len(self._closed_inodes) >= CLOSED_INODES_KEPT:
-                self._closed_inodes.clear()
-            self._closed_inodes.add(sample.inode)  # its owner's fd may be gone since
+        if draining and sample.inode not in self._draining_inodes:
+            if len(self._draining_inodes) >= DRAINING_INODES_KEPT:
+                self._draining_inodes.clear()
+            self._draining_inodes.add(sample.inode)  # its owner's fd may be gone since
             self.owners.forget(sample.inode)
         pid = self.owners.resolve([sample.inode]).get(sample.inode)
         if pid is None:
-            return sample.with_changes(pid=0, comm="") if sample.sender_closed else sample
+            return sample.with_changes(pid=0, comm="") if draining else sample
         comm = self.owners.procfs.comm(pid) or ""
         return sample.with_changes(pid=pid, comm=comm)
 

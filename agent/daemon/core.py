@@ -38,11 +38,12 @@ from kvwatch.hookserver.registry import EngineStream
 from kvwatch.hookserver.server import HookServer
 from kvwatch.policy.decide import Decider
 from kvwatch.sockets import SocketSample
-from kvwatch.streams.join import Joiner, StreamView
+from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import FeedLedger, RelayIndex, RelayLink
 from kvwatch.streams.stall_timers import StallTimers
 from kvwatch.streams.states import StallJudgement, stall_since_ns
 from kvwatch.streams.timeline import Timelines, connection_id
+from kvwatch.streams.view import StreamView
 
 log = logging.getLogger(__name__)
 

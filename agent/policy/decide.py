@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvwatch.config import PolicyConfig
 from kvwatch.policy.rules import CancelBudget, Candidate, Decision, Owner, decide
-from kvwatch.streams.join import StreamView
+from kvwatch.streams.view import StreamView
 
 RECHECK_SECONDS = 1.0
 # Reasons that can change while the stall lasts: look again later instead of giving up.

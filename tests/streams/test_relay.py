@@ -227,8 +227,8 @@ def test_a_request_seen_at_the_proxy_and_the_engine_counts_its_kv_once(
     listeners: ListeningPorts,
 ) -> None:
     from kvwatch.exporters.streams import by_request
-    from kvwatch.streams.join import StreamView
     from kvwatch.streams.states import StatePolicy, StreamState, judge
+    from kvwatch.streams.view import StreamView
 
     policy = StatePolicy(stall_seconds=3.0)
     stream = request("cmpl-1", 1_000)

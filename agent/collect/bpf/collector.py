@@ -10,10 +10,9 @@ from typing import Literal, Protocol
 from kvwatch.collect.bpf.layout import EVENT_NAMES, KvEvent, KvSockRecord
 from kvwatch.collect.bpf.loader import AttachReport, BpfPrograms, CollectorSettings
 from kvwatch.collect.bpf.maps import EventRing, SocketTable, read_stats
-from kvwatch.sockets import Endpoint, Feeder, SocketSample, Source
+from kvwatch.sockets import TCP_CLOSE, Endpoint, Feeder, SocketSample, Source
 
 SEQ_MODULO = 1 << 32
-TCP_CLOSE = 7
 TCP_STATE_OFFSET = KvSockRecord.tcp_state.offset
 
 

@@ -21,7 +21,6 @@ NS_PER_MS = 1_000_000
 # tcpi_last_ack_recv counts jiffies (up to 10 ms each, HZ=100) in milliseconds, rounded down:
 # a newest segment the record already holds can read up to this much later.
 HEARD_SLACK_NS = 20 * NS_PER_MS
-TCP_CLOSE_WAIT = 8
 
 
 def heard_ns(entry: DiagEntry, observed_ns: int) -> int:

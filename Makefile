@@ -7,19 +7,29 @@ BPF_OBJ := agent/collect/bpf/kvwatch.bpf.o
 BPF_SRC := $(wildcard bpf/*.c bpf/*.h)
 # The CO-RE object, and the sources BCC compiles at start-up (package data, kvwatch/collect/bpf/csrc).
 BPF_BUILT := $(BPF_OBJ) agent/collect/bpf/csrc/kvwatch_bcc.c
+# Two set-ups: what `make demo` needs, and everything (tests, benchmarks, lint). The full one
+# includes the demo's.
 STAMP := $(VENV)/.kvwatch-installed
+DEMO_STAMP := $(VENV)/.kvwatch-demo-installed
 
-.PHONY: setup bpf test demo bench lint clean kernel-matrix
+.PHONY: setup setup-demo bpf test demo bench lint clean kernel-matrix
 
 setup: $(STAMP) $(BPF_BUILT)
 
-$(STAMP): pyproject.toml scripts/setup.sh
-	bash scripts/setup.sh
+setup-demo: $(DEMO_STAMP) $(BPF_BUILT)
+
+$(STAMP): $(DEMO_STAMP) pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh test
+	touch $@
+
+$(DEMO_STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh demo
 	touch $@
 
 bpf: $(BPF_BUILT)
 
-$(BPF_BUILT) &: $(BPF_SRC) | $(STAMP)
+# Built once the demo's set-up (the part of the full one it needs) has run.
+$(BPF_BUILT) &: $(BPF_SRC) | $(DEMO_STAMP)
 	$(MAKE) -C bpf OUT=$(abspath $(BPF_OBJ)) BCC_DIR=$(abspath agent/collect/bpf/csrc)
 
 test: setup
@@ -29,7 +39,7 @@ test: setup
 kernel-matrix: setup
 	$(PY) -m scripts.kernel_matrix
 
-demo: setup
+demo: setup-demo
 	$(VENV)/bin/kvwatch demo
 
 bench: setup

@@ -10,6 +10,18 @@ EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 EXIT_PRIVILEGE = 3
+# The most characters of a value an error message quotes: a message stays one short line
+# whatever the user or a peer sent (a 50 MB config value, a 100 kB id).
+QUOTE_CHARS = 80
+
+
+def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
+    """`text` as an error message may show it: on one line, control characters and bytes that
+    are not UTF-8 escaped, at most `limit` characters of it, and its length when cut."""
+    shown = text if text.isprintable() else repr(text)[1:-1]
+    if len(shown) <= limit:
+        return shown
+    return f"{shown[:limit]}... ({len(text)} characters)"
 
 
 class KvwatchError(Exception):

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
+from typing import get_origin, get_type_hints
 
 import pytest
 
 from kvwatch.collect.bpf.loader import SEND_MODES
 from kvwatch.collect.table import BACKENDS
 from kvwatch.config import (
+    MAX_CONFIG_BYTES,
+    RANGES,
     RENAMED_KEYS,
     AgentConfig,
     CollectorConfig,
     PolicyConfig,
+    Range,
     config_keys,
     config_to_dict,
     env_name,
     load_config,
+    parse_flag,
 )
 from kvwatch.errors import ConfigError
 
@@ -137,7 +143,13 @@ def test_an_unknown_flag_key_is_an_error() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "expected"),
     [
-        ("policy.stall_seconds", -1, "policy.stall_seconds must be > 0 seconds (got -1,"),
+        (
+            "policy.stall_seconds",
+            -1,
+            "policy.stall_seconds must be > 0 and <= 86400 seconds (got -1,",
+        ),
+        ("policy.stall_seconds", 86401, "must be > 0 and <= 86400 seconds (got 86401,"),
+        ("policy.stall_seconds", 10**400, "must be a number (got 1000000"),
         ("policy.stall_seconds", "soon", "policy.stall_seconds must be a number (got 'soon',"),
         ("policy.stall_seconds", float("nan"), "must be a number (got nan,"),
         ("policy.stall_seconds", True, "must be a number (got True,"),
@@ -146,24 +158,36 @@ def test_an_unknown_flag_key_is_an_error() -> None:
         ("policy.actions", (), "policy.actions must be a non-empty list"),
         ("policy.actions", ("reset", "reset"), "without repeats"),
         ("policy.min_kv_bytes", 1.5, "policy.min_kv_bytes must be an integer (got 1.5,"),
-        ("policy.min_kv_bytes", -1, "policy.min_kv_bytes must be >= 0 bytes"),
-        ("policy.grace_seconds", -0.5, "policy.grace_seconds must be >= 0 seconds"),
-        ("policy.max_cancels_per_minute", 0, "max_cancels_per_minute must be >= 1"),
+        ("policy.min_kv_bytes", -1, "policy.min_kv_bytes must be 0..1125899906842624 bytes"),
+        ("policy.grace_seconds", -0.5, "policy.grace_seconds must be 0..86400 seconds"),
+        (
+            "policy.max_cancels_per_minute",
+            0,
+            "max_cancels_per_minute must be 1..1000000 actions (use",
+        ),
+        ("policy.max_cancels_per_minute", int("9" * 400), "must be 1..1000000 actions"),
+        ("policy.min_reader_bytes_per_second", 0, "must be 1..1073741824 bytes per second"),
         ("policy.deny_ports", (0,), "policy.deny_ports must be a list of ports 1..65535"),
         ("policy.allow_comms", ("",), "policy.allow_comms must be a list of non-empty glob"),
         ("collector.ports", tuple(range(1, 18)), "a list of at most 16 ports"),
         ("collector.ports", 8000, "collector.ports must be a list of integers (got 8000,"),
         ("collector.backend", "ebpf", "collector.backend must be one of auto, core, bcc, diag"),
         ("collector.send_mode", "tp", "collector.send_mode must be one of auto, fentry"),
-        ("collector.pid", -3, "collector.pid must be >= 0"),
+        ("collector.pid", -3, "collector.pid must be 0..4194304 (0 = every process"),
+        ("collector.pid", 2**32, "collector.pid must be 0..4194304"),
         ("collector.max_sockets", 0, "collector.max_sockets must be 1..268435456 (the kernel"),
         ("collector.max_sockets", 2**28 + 1, "the kernel's limit for a BPF hash map"),
         ("hook.socket", "engine.sock", "hook.socket must be an absolute path"),
-        ("hook.allowed_uids", (-1,), "hook.allowed_uids must be a list of uids >= 0"),
+        ("hook.allowed_uids", (-1,), "hook.allowed_uids must be a list of uids 0..4294967294"),
+        ("hook.socket", "/run/\0.sock", "an absolute path of at most 4095 characters, without NUL"),
+        ("audit.path", "/var/log/\0", "audit.path must be a path of at most 4095 characters"),
+        ("policy.deny_cgroups", ("x" * 4096,), "glob patterns of at most 4095 characters"),
+        ("http.listen", "\n:80", "http.listen must be host:port"),
         ("http.listen", "9431", "http.listen must be host:port"),
         ("http.listen", "localhost:70000", "http.listen must be host:port"),
         ("path.procfs", "proc", "path.procfs must be an absolute path"),
-        ("streams.history_size", -1, "streams.history_size must be >= 0"),
+        ("streams.history_size", -1, "streams.history_size must be 0..100000 finished streams"),
+        ("streams.history_size", 10**30, "streams.history_size must be 0..100000"),
     ],
 )
 def test_bad_values_name_the_key_the_value_and_what_is_allowed(
@@ -177,8 +201,8 @@ def test_bad_values_name_the_key_the_value_and_what_is_allowed(
 def test_an_error_says_where_the_bad_value_came_from(tmp_path: Path) -> None:
     env_message = error_of(env={"KVWATCH_POLICY_STALL_SECONDS": "-1"})
     assert env_message == (
-        "policy.stall_seconds must be > 0 seconds (got '-1', from $KVWATCH_POLICY_STALL_SECONDS)"
-        " (change $KVWATCH_POLICY_STALL_SECONDS)"
+        "policy.stall_seconds must be > 0 and <= 86400 seconds (got '-1', from "
+        "$KVWATCH_POLICY_STALL_SECONDS) (change $KVWATCH_POLICY_STALL_SECONDS)"
     )
     path = write(tmp_path, "[policy]\nstall_seconds = -1\n")
     assert f"(got -1, in {path}) (edit {path})" in error_of(path)
@@ -233,3 +257,95 @@ def test_the_documented_example_is_the_defaults_and_every_variable_is_documented
     assert wanted <= documented
     renamed = {env_name(old) for old in RENAMED_KEYS}  # documented as the old names
     assert documented - wanted == {"KVWATCH_ENGINE_SOCKET", "KVWATCH_REQUIRE_BPF", *renamed}
+
+
+def numeric_keys() -> set[str]:
+    """The settings that are numbers, or lists of numbers."""
+    hints = {
+        f"{section}.{name}": hint
+        for section, cls in get_type_hints(AgentConfig).items()
+        for name, hint in get_type_hints(cls).items()
+    }
+    numbers = (int, float, tuple[int, ...])
+    return {key for key, hint in hints.items() if hint in numbers}
+
+
+def test_every_numeric_setting_has_one_documented_range() -> None:
+    assert set(RANGES) == numeric_keys()
+    rows = {
+        row.split("|")[2].strip(): row
+        for row in DOCS.read_text().splitlines()
+        if row.startswith("| `KVWATCH_")
+    }
+    for key, bounds in RANGES.items():
+        assert bounds.span in rows[key].split("|")[4], (key, bounds.span)
+
+
+@pytest.mark.parametrize(("key", "bounds"), sorted(RANGES.items()))
+def test_each_range_holds_at_its_ends_and_not_past_them(key: str, bounds: Range) -> None:
+    is_list = get_origin(config_field(key)) is tuple
+    for value, fine in (
+        (bounds.low, not bounds.above_low),
+        (bounds.high, True),
+        (bounds.high + 1, False),
+    ):
+        flags: dict[str, object] = {key: (value,) if is_list else value}
+        if fine:
+            load_config(None, {}, flags)
+        else:
+            assert bounds.span in error_of(flags=flags)
+
+
+def config_field(key: str) -> object:
+    section, _, name = key.partition(".")
+    return get_type_hints(get_type_hints(AgentConfig)[section])[name]
+
+
+def test_a_flag_is_checked_by_the_rules_of_the_file_and_the_environment() -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_flag("collector.pid", "4294967296", "--pid")
+    assert str(raised.value) == (
+        "collector.pid must be 0..4194304 (0 = every process; 4194304 is the kernel's pid limit) "
+        "(got '4294967296', from --pid) (change --pid)"
+    )
+    env_message = error_of(env={"KVWATCH_COLLECTOR_PID": "4294967296"})
+    assert env_message.startswith(str(raised.value).partition("(got")[0])
+    assert parse_flag("collector.ports", ("8000", " 8001"), "--port") == (8000, 8001)
+    with pytest.raises(ConfigError, match="at most 16 ports"):
+        parse_flag("collector.ports", tuple(str(port) for port in range(1, 18)), "--port")
+    assert parse_flag("policy.stall_seconds", "0.05", "--stall-seconds") == 0.05
+
+
+def test_a_config_file_is_read_only_when_it_is_a_small_regular_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    refused = {
+        str(fifo): "is a FIFO, not a regular file",
+        "/dev/zero": "is a character device, not a regular file",
+        str(tmp_path): "is a directory, not a regular file",
+        "": "the config file path is empty",
+        "/tmp/a\0b": "embedded null byte",
+    }
+    for path, words in refused.items():
+        assert words in error_of(path)
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))
+    assert "larger than 1048576 bytes (1 MiB)" in error_of(str(big))
+    big.write_bytes(b"#" * MAX_CONFIG_BYTES)
+    assert load_config(str(big), {}, {}) == AgentConfig()
+
+
+def test_what_the_parser_cannot_take_is_a_config_error(tmp_path: Path) -> None:
+    cases = {
+        b"[streams]\nhistory_size = " + b"9" * 5000: "is not valid TOML: Exceeds the limit",
+        b"[policy]\ndeny_ports = " + b"[" * 2000 + b"]" * 2000: "nests arrays or tables too deeply",
+        b"[policy]\nmode = 1\n\xff": "is not UTF-8 text (byte 0xff at offset 18)",
+        b'[policy]\ndeny_comms = ["' + b"x" * 5000 + b'"]': "(got ['xxxxxxxxxxxxxxxx",
+        b'[collector]\nbackend = "' + b"\\n" * 5000 + b'"': r"(got '\n\n\n",
+    }
+    path = tmp_path / "kvwatch.toml"
+    for data, words in cases.items():
+        path.write_bytes(data)
+        message = error_of(str(path))
+        assert words in message
+        assert "\n" not in message and len(message) < 400, message[:500]

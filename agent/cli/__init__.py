@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import NoReturn
 
 import click
 
 from kvwatch import __version__
-from kvwatch.errors import KvwatchError
+from kvwatch.errors import ConfigError, KvwatchError, quoted
 
 # command name -> module in kvwatch.cli exposing `command`, in the order --help lists them
 COMMANDS = {
@@ -26,9 +27,37 @@ COMMANDS = {
 }
 
 
+def exit_with(exc: KvwatchError) -> NoReturn:
+    """The error as one line (and its hint on the next), then the contract's exit code."""
+    click.secho(f"kvwatch: {exc.message}", fg="red", err=True)
+    if exc.hint:
+        click.echo(f"  what to do: {exc.hint}", err=True)
+    sys.exit(exc.exit_code)
+
+
+def check_arguments(args: list[str]) -> None:
+    """ConfigError for an argument that is not UTF-8 (Python holds its bytes as surrogates,
+    which no URL, id or message could carry)."""
+    for position, arg in enumerate(args, start=1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(
+                f"argument {position} ({quoted(arg)}) is not UTF-8 text",
+                "kvwatch takes UTF-8 arguments only",
+            ) from None
+
+
 class KvwatchGroup(click.Group):
     """Loads commands lazily and turns kvwatch errors into a one-line message and the
     contract's exit code."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            check_arguments(args)
+        except KvwatchError as exc:
+            exit_with(exc)
+        return super().parse_args(ctx, args)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
@@ -44,10 +73,7 @@ class KvwatchGroup(click.Group):
         try:
             return super().invoke(ctx)
         except KvwatchError as exc:
-            click.secho(f"kvwatch: {exc.message}", fg="red", err=True)
-            if exc.hint:
-                click.echo(f"  what to do: {exc.hint}", err=True)
-            sys.exit(exc.exit_code)
+            exit_with(exc)
 
 
 @click.group(cls=KvwatchGroup, context_settings={"help_option_names": ["-h", "--help"]})

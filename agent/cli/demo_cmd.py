@@ -8,27 +8,30 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
 from kvwatch.harness.demo import DemoSettings, run_demo, summary_rows
+
+MAX_CLIENTS = 256
 
 
 @click.command("demo")
 @click.option(
     "--seconds",
-    type=click.FloatRange(min=3),
+    type=NumberRange(min=3, max=MAX_WAIT_SECONDS),
     default=15.0,
     show_default=True,
     help="Length of each phase.",
 )
 @click.option(
     "--stalled",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, MAX_CLIENTS),
     default=3,
     show_default=True,
     help="Clients that stop reading after the first token.",
 )
 @click.option(
     "--healthy",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, MAX_CLIENTS),
     default=4,
     show_default=True,
     help="Clients that read as fast as they can.",

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvwatch.cli.options import agent_url_option, setting_option
 from kvwatch.errors import EXIT_PRIVILEGE
-from kvwatch.tools.client import DEFAULT_AGENT_URL
 from kvwatch.tools.doctor import HOOK_SOCKET, checks_json, node_can_run_agent, run_checks
 
 STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "dim"}
@@ -19,21 +19,21 @@ STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "d
 
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
-@click.option(
+@setting_option(
     "--path.procfs",
     "procfs_root",
+    key="path.procfs",
     default="/proc",
     show_default=True,
-    help="Where the host's /proc is mounted (sysctls are read under it too).",
+    help="Where the host's /proc is mounted (sysctls are read under it too); a failed check "
+    "when it is no procfs, as `kvwatch run` refuses it.",
 )
-@click.option(
-    "--url",
-    default=DEFAULT_AGENT_URL,
-    show_default=True,
-    help="The agent's HTTP API, asked whether the daemon answers and which engines it has.",
+@agent_url_option(
+    "The agent's HTTP API, asked whether the daemon answers and which engines it has."
 )
-@click.option(
+@setting_option(
     "--hook-socket",
+    key="hook.socket",
     default=HOOK_SOCKET,
     show_default=True,
     help="The engine-hook socket to inspect (the agent's --hook-socket).",

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvwatch.cli.ranges import NumberRange
 from kvwatch.engine.config import (
     DEFAULT_MODEL_SIZE,
     DEFAULT_SNDBUF_BYTES,
@@ -24,11 +25,20 @@ if TYPE_CHECKING:
 
 # Options that configure the HTTP server and the hook; all others are EngineConfig fields.
 _SERVER_OPTIONS = ("host", "port", "sndbuf_bytes", "kvwatch_socket", "no_kvwatch_hook", "log_level")
+# torch.manual_seed's range.
+SEEDS = click.IntRange(-(1 << 63), (1 << 64) - 1)
+MAX_SOCKET_BUFFER = (1 << 31) - 1  # SO_SNDBUF is a C int
 
 
 @click.command("engine")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=8000, show_default=True, help="TCP port; 0 picks a free one.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8000,
+    show_default=True,
+    help="TCP port; 0 picks a free one.",
+)
 @click.option(
     "--model-size",
     type=click.Choice(sorted(MODEL_SHAPES)),
@@ -50,7 +60,9 @@ _SERVER_OPTIONS = ("host", "port", "sndbuf_bytes", "kvwatch_socket", "no_kvwatch
     show_default=True,
     help="auto: bfloat16 on CUDA, float32 on CPU.",
 )
-@click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
+@click.option(
+    "--seed", type=SEEDS, default=0, show_default=True, help="Seed of the random weights."
+)
 @click.option(
     "--cpu-threads",
     type=click.IntRange(min=1),
@@ -75,7 +87,7 @@ _SERVER_OPTIONS = ("host", "port", "sndbuf_bytes", "kvwatch_socket", "no_kvwatch
 )
 @click.option(
     "--kv-fraction",
-    type=click.FloatRange(0.0, 0.95, min_open=True),
+    type=NumberRange(0.0, 0.95, min_open=True),
     default=0.3,
     show_default=True,
     help="Share of free GPU memory for the KV pool (CUDA).",
@@ -119,7 +131,7 @@ _SERVER_OPTIONS = ("host", "port", "sndbuf_bytes", "kvwatch_socket", "no_kvwatch
 )
 @click.option(
     "--sndbuf-bytes",
-    type=click.IntRange(min=0),
+    type=click.IntRange(0, MAX_SOCKET_BUFFER),
     default=DEFAULT_SNDBUF_BYTES,
     show_default=True,
     help="SO_SNDBUF of each client connection (0: kernel default, autotuned to "

@@ -7,8 +7,10 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.text import Text
 
-from kvwatch.tools.client import DEFAULT_AGENT_URL, get_json
+from kvwatch.cli.options import agent_url_option
+from kvwatch.tools.client import explain_path, get_json, reading_answer
 from kvwatch.tools.tables import human_bytes
 
 EVENT_TEXT = {
@@ -59,7 +61,7 @@ def describe(entry: dict[str, Any]) -> str:
 
 @click.command("explain")
 @click.argument("stream")
-@click.option("--url", default=DEFAULT_AGENT_URL, show_default=True, help="The agent's HTTP API.")
+@agent_url_option("The agent's HTTP API.")
 @click.option("--json", "as_json", is_flag=True, help="Print the evidence chain as JSON.")
 def command(stream: str, url: str, as_json: bool) -> None:
     """Show why a stream was (or was not) acted on: its timeline, socket evidence (with the
@@ -70,31 +72,45 @@ def command(stream: str, url: str, as_json: bool) -> None:
     connection ("10.0.0.7:50123", "[2001:db8::7]:50123") for streams no engine announced.
     Works for live streams and for recently finished ones (the agent keeps a bounded history).
     """
-    chain = get_json(url, f"/api/v1/explain/{stream}")
+    chain = get_json(url, explain_path(stream), shape=dict)
     if as_json:
         click.echo(json.dumps(chain, indent=2))
         return
+    with reading_answer(url):
+        print_chain(chain)
+
+
+def print_chain(chain: dict[str, Any]) -> None:
+    """The evidence chain as people read it: header, timeline, evidence, KV held. What engines
+    sent (request ids, evidence) is shown as plain text, never read as markup."""
     console = Console()
     status = "live" if chain["live"] else "finished"
     console.print(
-        f"[bold]{chain['request_id'] or 'no request id'}[/bold]  "
-        f"{chain['local']} → {chain['remote']}  ({status})"
+        Text.assemble(
+            (str(chain["request_id"] or "no request id"), "bold"),
+            f"  {chain['local']} → {chain['remote']}  ({status})",
+        )
     )
     for entry in chain["timeline"]:
-        console.print(f"  +{entry['offset_seconds']:8.3f}s  {describe(entry)}")
+        console.print(Text(f"  +{entry['offset_seconds']:8.3f}s  {describe(entry)}"))
     decision = next((e for e in reversed(chain["timeline"]) if e["event"] == "decision"), None)
     evidence = decision["evidence"] if decision else (chain["stream"] or {})
     relay = evidence.get("relay")
     if relay:
-        console.print(f"[bold]behind a proxy[/bold] {relay['chain']}  ({relay['detail']})")
+        console.print(_titled("behind a proxy", f"{relay['chain']}  ({relay['detail']})"))
     if evidence:
-        console.print(
-            "[bold]socket evidence[/bold] "
-            + ", ".join(f"{key}={evidence[key]}" for key in EVIDENCE_KEYS if key in evidence)
-        )
+        shown = ", ".join(f"{key}={evidence[key]}" for key in EVIDENCE_KEYS if key in evidence)
+        console.print(_titled("socket evidence", shown))
     joined = chain["stream"] or {}
     if joined.get("kv_bytes") is not None:
         console.print(
-            f"[bold]KV held[/bold] {joined['kv_blocks']} blocks "
-            f"({human_bytes(joined['kv_bytes'])}), GPU {joined.get('gpu') or '-'}"
+            _titled(
+                "KV held",
+                f"{joined['kv_blocks']} blocks ({human_bytes(joined['kv_bytes'])}), "
+                f"GPU {joined.get('gpu') or '-'}",
+            )
         )
+
+
+def _titled(title: str, text: str) -> Text:
+    return Text.assemble((title, "bold"), " ", text)

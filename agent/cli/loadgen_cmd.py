@@ -8,9 +8,14 @@ import sys
 
 import click
 
+from kvwatch.cli.ranges import NumberRange
 from kvwatch.errors import KvwatchError
 from kvwatch.loadgen import LoadPlan, LoadReport, render_text, run_load
 from kvwatch.loadgen.report import progress_line
+
+DAY_SECONDS = 86400.0
+MAX_CLIENTS = 10_000
+MAX_SOCKET_BUFFER = (1 << 31) - 1  # SO_RCVBUF is a C int
 
 
 class _Progress:
@@ -44,47 +49,47 @@ class _Progress:
 @click.option(
     "--duration",
     "duration_seconds",
-    type=click.FloatRange(min=0, min_open=True),
+    type=NumberRange(min=0, min_open=True, max=DAY_SECONDS),
     default=10.0,
     show_default=True,
     help="Seconds to run.",
 )
 @click.option(
     "--healthy",
-    type=click.IntRange(min=0),
+    type=click.IntRange(0, MAX_CLIENTS),
     default=4,
     show_default=True,
     help="Clients that read as fast as they can.",
 )
 @click.option(
     "--slow",
-    type=click.IntRange(min=0),
+    type=click.IntRange(0, MAX_CLIENTS),
     default=0,
     show_default=True,
     help="Clients that read --slow-bytes-per-second.",
 )
 @click.option(
     "--stalled",
-    type=click.IntRange(min=0),
+    type=click.IntRange(0, MAX_CLIENTS),
     default=0,
     show_default=True,
     help="Clients that stop reading after the first token, connection kept open.",
 )
 @click.option(
     "--slow-bytes-per-second",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, MAX_SOCKET_BUFFER),
     default=2048,
     show_default=True,
     help="How fast slow clients read.",
 )
 @click.option(
     "--rcvbuf-bytes",
-    type=click.IntRange(min=0),
+    type=click.IntRange(0, MAX_SOCKET_BUFFER),
     default=4096,
     show_default=True,
     help="SO_RCVBUF of slow and stalled clients, set before connect (0: default).",
 )
-@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1, 1 << 20), default=128, show_default=True)
 @click.option("--prompt", default=LoadPlan.prompt, show_default=True)
 @click.option(
     "--endpoint",

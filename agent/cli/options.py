@@ -1,4 +1,5 @@
-"""Options shared by the commands that watch sockets (sockets, top, run)."""
+"""Options shared by the commands: those that watch sockets (sockets, top, run), the flags
+of config settings (checked by the config's own rules) and the agent's --url."""
 
 from __future__ import annotations
 
@@ -10,9 +11,37 @@ from click.core import ParameterSource
 
 from kvwatch.collect.bpf.loader import SEND_MODES, CollectorSettings
 from kvwatch.collect.table import BACKENDS
+from kvwatch.config import RANGES, parse_flag
 from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StatePolicy, StreamState
+from kvwatch.tools.client import DEFAULT_AGENT_URL, agent_url
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def setting_option(*decls: str, key: str, help: str, **kwargs: Any) -> Callable[[F], F]:
+    """A flag for the config setting `key`: its value is checked by the config's rules
+    (kvwatch.config.parse_flag: type, range, the same message as for the file), and its help
+    ends with the setting's range. A repeatable flag's values are checked together."""
+
+    def check(_: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is None or value == ():
+            return value
+        return parse_flag(key, value, param.opts[0])
+
+    bounds = RANGES.get(key)
+    shown = f"{help} (range {bounds.span})" if bounds is not None else help
+    return click.option(*decls, callback=check, help=shown, **kwargs)
+
+
+def agent_url_option(help: str) -> Callable[[F], F]:
+    """--url: the agent's HTTP API, checked (kvwatch.tools.client.agent_url) before use."""
+    return click.option(
+        "--url",
+        default=DEFAULT_AGENT_URL,
+        show_default=True,
+        callback=lambda _ctx, _param, value: agent_url(value),
+        help=help,
+    )
 
 
 # Where the hidden --send-hook (the old name of --send-mode) leaves its value for --send-mode.
@@ -44,19 +73,21 @@ def collector_options(with_defaults: bool = True) -> Callable[[F], F]:
         return {"default": value, "show_default": True} if with_defaults else {"default": None}
 
     decorators = [
-        click.option(
+        setting_option(
             "--port",
             "ports",
-            type=click.IntRange(1, 65535),
+            key="collector.ports",
+            metavar="PORT",
             multiple=True,
             help="Watch only sockets with this local port (repeatable, up to 16). "
             "Filtered in the kernel: other sockets cost almost nothing.",
         ),
-        click.option(
+        setting_option(
             "--pid",
-            type=click.IntRange(min=1),
+            key="collector.pid",
+            metavar="PID",
             default=None,
-            help="Watch only sockets this process writes to.",
+            help="Watch only sockets this process writes to (0: every process).",
         ),
         click.option(
             "--backend",
@@ -82,32 +113,37 @@ def collector_options(with_defaults: bool = True) -> Callable[[F], F]:
             hidden=True,
             callback=_old_send_flag,
         ),
-        click.option(
+        setting_option(
             "--max-sockets",
-            type=click.IntRange(min=1),
+            key="collector.max_sockets",
+            metavar="N",
             **default(16384),
             help="Size of the in-kernel socket table (LRU; evictions are counted).",
         ),
-        click.option(
+        setting_option(
             "--stall-seconds",
-            type=click.FloatRange(min=0.1),
+            key="policy.stall_seconds",
+            metavar="SECONDS",
             **default(3.0),
             help="Pending data with no ACK progress under a zero window or full "
             "send buffer for at least this long makes a stream `stalled` (behind a zero "
             "window, also for as long as --min-reader-rate requires).",
         ),
-        click.option(
+        setting_option(
             "--min-reader-rate",
             "min_reader_rate",
-            type=click.IntRange(min=1),
+            key="policy.min_reader_bytes_per_second",
+            metavar="BYTES",
             **default(DEFAULT_MIN_READER_BYTES_PER_SECOND),
             help="Bytes per second: a client that reads at least this fast is never called "
             "stalled, whatever its receive buffer, RTT or loss. Higher cuts dead readers "
             "sooner; the default is half a 50-token/s SSE stream.",
         ),
-        click.option(
+        setting_option(
             "--path.procfs",
             "procfs_root",
+            key="path.procfs",
+            metavar="DIR",
             **default("/proc"),
             help="Where the host's /proc is mounted (a DaemonSet mounts it elsewhere).",
         ),

@@ -13,7 +13,7 @@ import click
 
 from kvwatch.api.routes import build_app
 from kvwatch.api.server import ApiServer
-from kvwatch.cli.options import collector_options
+from kvwatch.cli.options import collector_options, setting_option
 from kvwatch.config import load_config
 from kvwatch.daemon.core import Daemon
 from kvwatch.daemon.logrepeat import RepeatFilter
@@ -69,10 +69,10 @@ async def serve(daemon: Daemon, listener: socket.socket) -> None:
 @click.option(
     "--config",
     "config_path",
-    type=click.Path(dir_okay=False),
+    metavar="FILE",
     default=None,
-    help="TOML config file (see docs/configuration.md). Flags override it, and "
-    "KVWATCH_* environment variables sit in between.",
+    help="TOML config file (see docs/configuration.md): a regular file of at most 1 MiB. "
+    "Flags override it, and KVWATCH_* environment variables sit in between.",
 )
 @click.option(
     "--mode",
@@ -88,40 +88,54 @@ async def serve(daemon: Daemon, listener: socket.socket) -> None:
     help="What to do to a stalled stream (repeatable): cancel through the engine "
     "hook (frees its KV), reset its TCP connection (SOCK_DESTROY).",
 )
-@click.option(
+@setting_option(
     "--min-kv-bytes",
-    type=click.IntRange(min=0),
+    key="policy.min_kv_bytes",
+    metavar="BYTES",
     default=None,
     help="Act only on requests holding at least this much KV cache.",
 )
-@click.option(
+@setting_option(
     "--grace-seconds",
-    type=click.FloatRange(min=0),
+    key="policy.grace_seconds",
+    metavar="SECONDS",
     default=None,
     help="Never act on a stream younger than this.",
 )
-@click.option(
+@setting_option(
     "--max-cancels-per-minute",
-    type=click.IntRange(min=1),
+    key="policy.max_cancels_per_minute",
+    metavar="N",
     default=None,
     help="Budget of actions per rolling minute.",
 )
 @collector_options(with_defaults=False)
-@click.option(
+@setting_option(
     "--hook-socket",
+    key="hook.socket",
+    metavar="PATH",
     default=None,
     help="Unix socket engines connect to [default: /run/kvwatch/engine.sock].",
 )
-@click.option(
+@setting_option(
     "--allowed-uid",
     "allowed_uids",
-    type=click.IntRange(min=0),
+    key="hook.allowed_uids",
+    metavar="UID",
     multiple=True,
     help="uid allowed to connect as an engine (repeatable; root always is).",
 )
-@click.option("--listen", default=None, help="HTTP API address [default: 127.0.0.1:9431].")
-@click.option(
+@setting_option(
+    "--listen",
+    key="http.listen",
+    metavar="HOST:PORT",
+    default=None,
+    help="HTTP API address [default: 127.0.0.1:9431].",
+)
+@setting_option(
     "--audit-log",
+    key="audit.path",
+    metavar="FILE",
     default=None,
     help="Audit log file, JSON lines [default: /var/log/kvwatch/audit.jsonl]; empty: stdout only.",
 )

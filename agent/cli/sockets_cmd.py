@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import click
@@ -11,18 +12,19 @@ from rich.console import Console
 from rich.live import Live
 
 from kvwatch.cli.options import (
+    agent_url_option,
     announce_collector,
     collector_options,
     collector_settings,
     state_filter_option,
     state_policy,
 )
+from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
 from kvwatch.collect.table import OpenedCollector, open_collector
-from kvwatch.errors import KvwatchError
 from kvwatch.sockets import Endpoint
 from kvwatch.streams.states import StatePolicy
 from kvwatch.streams.view import socket_json
-from kvwatch.tools.client import DEFAULT_AGENT_URL, get_json
+from kvwatch.tools.client import AgentUnreachableError, get_json, reading_answer
 from kvwatch.tools.tables import sockets_table
 
 AGENT_TIMEOUT_SECONDS = 2.0
@@ -35,17 +37,14 @@ AGENT_TIMEOUT_SECONDS = 2.0
 @click.option("--watch", is_flag=True, help="Refresh until interrupted (Ctrl-C).")
 @click.option(
     "--interval",
-    type=click.FloatRange(min=0.05),
+    type=NumberRange(min=0.05, max=MAX_WAIT_SECONDS),
     default=1.0,
     show_default=True,
     help="Seconds between refreshes with --watch.",
 )
-@click.option(
-    "--url",
-    default=DEFAULT_AGENT_URL,
-    show_default=True,
-    help="The agent to ask first: when one answers, its view is shown (it has each socket's "
-    "history and the policy's settings); the collector options then do not apply.",
+@agent_url_option(
+    "The agent to ask first: when one answers, its view is shown (it has each socket's "
+    "history and the policy's settings); the collector options then do not apply."
 )
 @click.option(
     "--standalone",
@@ -54,7 +53,7 @@ AGENT_TIMEOUT_SECONDS = 2.0
 )
 @click.option(
     "--settle",
-    type=click.FloatRange(min=0),
+    type=NumberRange(min=0, max=MAX_WAIT_SECONDS),
     default=0.5,
     show_default=True,
     help="Seconds to observe before the first report (lets BPF see live sockets).",
@@ -102,24 +101,36 @@ def command(
         time.sleep(settle)
     announce_collector(source.note)
     try:
-        if watch and not as_json:
-            with Live(console=Console(), auto_refresh=False) as live:
-                while True:
-                    live.update(sockets_table(_filtered(source.rows(), states)), refresh=True)
-                    time.sleep(interval)
-        while True:
-            rows = _filtered(source.rows(), states)
-            if as_json:
-                click.echo(json.dumps(rows, indent=None if watch else 2))
-            else:
-                Console().print(sockets_table(rows))
-            if not watch:
-                return
-            time.sleep(interval)
+        with source.reading():
+            show(source, states, as_json, watch, interval)
     except KeyboardInterrupt:
         return
     finally:
         source.close()
+
+
+def show(
+    source: AgentRows | KernelRows,
+    states: tuple[str, ...],
+    as_json: bool,
+    watch: bool,
+    interval: float,
+) -> None:
+    """The rows once, or every `interval` seconds with --watch: a table, or JSON."""
+    if watch and not as_json:
+        with Live(console=Console(), auto_refresh=False) as live:
+            while True:
+                live.update(sockets_table(_filtered(source.rows(), states)), refresh=True)
+                time.sleep(interval)
+    while True:
+        rows = _filtered(source.rows(), states)
+        if as_json:
+            click.echo(json.dumps(rows, indent=None if watch else 2))
+        else:
+            Console().print(sockets_table(rows))
+        if not watch:
+            return
+        time.sleep(interval)
 
 
 def _filtered(rows: list[dict[str, Any]], states: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -139,6 +150,10 @@ class KernelRows:
         now_ns = time.monotonic_ns()
         return [socket_json(sample, now_ns, self.policy) for sample in samples]
 
+    def reading(self) -> AbstractContextManager[None]:
+        """Rows this process built itself need no guard."""
+        return nullcontext()
+
     def close(self) -> None:
         self.opened.collector.close()
 
@@ -154,22 +169,28 @@ class AgentRows:
 
     @classmethod
     def reached(cls, url: str, ports: tuple[int, ...], pid: int | None) -> AgentRows | None:
-        """The agent's view when an agent answers at `url` right now, else None."""
+        """The agent's view when an agent answers at `url` right now, else None. Something
+        that answers but is no kvwatch agent is an error, not a reason to read the kernel."""
         source = cls(url, ports, pid)
         try:
-            source.rows()
-        except KvwatchError:
+            with source.reading():
+                source.rows()
+        except AgentUnreachableError:
             return None
         return source
 
     def rows(self) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = get_json(self.url, "/api/v1/sockets", AGENT_TIMEOUT_SECONDS)
+        rows: list[Any] = get_json(self.url, "/api/v1/sockets", AGENT_TIMEOUT_SECONDS, list)
         return [
             row
             for row in rows
             if (not self.ports or Endpoint.parse(row["local"]).port in self.ports)
             and (not self.pid or row["pid"] == self.pid)
         ]
+
+    def reading(self) -> AbstractContextManager[None]:
+        """What a malformed answer makes the code that reads it raise becomes one error."""
+        return reading_answer(self.url)
 
     def close(self) -> None:
         pass

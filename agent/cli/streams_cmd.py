@@ -10,14 +10,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvwatch.cli.options import state_filter_option
+from kvwatch.cli.options import agent_url_option, state_filter_option
 from kvwatch.streams.states import StreamState
-from kvwatch.tools.client import DEFAULT_AGENT_URL, get_json
+from kvwatch.tools.client import get_json, reading_answer
 from kvwatch.tools.tables import STATE_STYLES, kv_text
 
 
 @click.command("streams")
-@click.option("--url", default=DEFAULT_AGENT_URL, show_default=True, help="The agent's HTTP API.")
+@agent_url_option("The agent's HTTP API.")
 @state_filter_option()
 @click.option(
     "--json",
@@ -36,19 +36,27 @@ def command(url: str, states: tuple[str, ...], as_json: bool) -> None:
     progress; STALL/NEEDED how long the stall conditions have
     held and how long the judge requires before it calls the stream stalled (derived per
     socket from --min-reader-rate and the kernel's evidence; docs/collector.md)."""
-    rows = [r for r in get_json(url, "/api/v1/streams") if not states or r["state"] in states]
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-        return
+    answer: list[Any] = get_json(url, "/api/v1/streams", shape=list)
+    with reading_answer(url):
+        rows = [row for row in answer if not states or row["state"] in states]
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+            return
+        print_streams(rows)
+
+
+def print_streams(rows: list[dict[str, Any]]) -> None:
+    """The streams as a table; what engines sent (request ids) is shown as plain text, never
+    read as markup."""
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
     for header in ("REQUEST", "CLIENT", "VIA", "STATE", "KV", "STUCK", "STALL/NEEDED"):
         table.add_column(header, no_wrap=True)
     for row in rows:
         state = StreamState(row["state"])
         table.add_row(
-            row["request_id"] or "-",
-            row["remote"],
-            via_text(row),
+            Text(str(row["request_id"] or "-")),
+            Text(str(row["remote"])),
+            Text(via_text(row)),
             Text(state.value, style=STATE_STYLES[state]),
             kv_text(row),
             f"{row['no_progress_seconds']:.1f}s",

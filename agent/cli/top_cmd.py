@@ -4,30 +4,28 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 
 import click
 from rich.console import Console
 
 from kvwatch.cli.options import (
+    agent_url_option,
     announce_collector,
     collector_options,
     collector_settings,
     state_filter_option,
     state_policy,
 )
-from kvwatch.tools.client import DEFAULT_AGENT_URL
+from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
+from kvwatch.tools.client import reading_answer
 from kvwatch.top.app import print_frame, run_live, run_piped
 from kvwatch.top.model import SORT_KEYS, RowFilter
 from kvwatch.top.sources import DaemonSource, FrameSource, StandaloneSource
 
 
 @click.command("top")
-@click.option(
-    "--url",
-    default=DEFAULT_AGENT_URL,
-    show_default=True,
-    help="The agent's HTTP API to read streams, health and metrics from.",
-)
+@agent_url_option("The agent's HTTP API to read streams, health and metrics from.")
 @click.option(
     "--standalone",
     is_flag=True,
@@ -43,14 +41,14 @@ from kvwatch.top.sources import DaemonSource, FrameSource, StandaloneSource
 @click.option("--once", is_flag=True, help="Print one frame and exit (for scripts).")
 @click.option(
     "--interval",
-    type=click.FloatRange(min=0.1),
+    type=NumberRange(min=0.1, max=MAX_WAIT_SECONDS),
     default=1.0,
     show_default=True,
     help="Seconds between refreshes.",
 )
 @click.option(
     "--settle",
-    type=click.FloatRange(min=0),
+    type=NumberRange(min=0, max=MAX_WAIT_SECONDS),
     default=1.0,
     show_default=True,
     help="With --standalone: seconds to observe before the first frame.",
@@ -100,6 +98,7 @@ def command(
     view = RowFilter(ports=tuple(ports), pid=pid, states=tuple(states), sort=sort)
     console = Console()
     source: FrameSource
+    reading: AbstractContextManager[None] = nullcontext()
     if standalone:
         settings = collector_settings(ports, pid, send_mode, max_sockets)
         standalone_source = StandaloneSource(
@@ -110,13 +109,15 @@ def command(
         time.sleep(settle)
     else:
         source = DaemonSource(url)
+        reading = reading_answer(url)  # a frame the agent's answer cannot be drawn into
     try:
-        if once:
-            print_frame(source, view, console)
-        elif console.is_terminal and sys.stdin.isatty():
-            run_live(source, view, console, interval)
-        else:
-            run_piped(source, view, console, interval)
+        with reading:
+            if once:
+                print_frame(source, view, console)
+            elif console.is_terminal and sys.stdin.isatty():
+                run_live(source, view, console, interval)
+            else:
+                run_piped(source, view, console, interval)
     except KeyboardInterrupt:
         return
     finally:

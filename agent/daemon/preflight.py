@@ -1,7 +1,8 @@
 """What `kvwatch run` checks before anything starts: settings that parse fine but that this
 node cannot honour (a busy or foreign listen address, a socket map the kernel would refuse or
-cannot fit in memory, an audit "file" that is a device), each refused with one message naming
-the setting; and the descriptor limit, raised to what the process may use.
+cannot fit in memory, an audit "file" that is a device, a procfs path that is no procfs), each
+refused with one message naming the setting; and the descriptor limit, raised to what the
+process may use.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from kvwatch.collect.bpf.layout import KvSockRecord
 from kvwatch.config import AgentConfig, split_listen
-from kvwatch.errors import ConfigError, PrivilegeError
+from kvwatch.errors import ConfigError, PrivilegeError, quoted
 
 # The kernel's BPF hash map: elements are preallocated for an LRU hash, each with a header
 # (struct htab_elem, 48 bytes on 64-bit) and its 8-byte key, plus one 16-byte bucket per
@@ -28,6 +29,8 @@ MAP_BUCKET_BYTES = 16
 # The socket map may take at most this share of the memory the agent can get.
 MAP_MEMORY_SHARE = 0.5
 UNLIMITED_DESCRIPTORS = 1 << 20  # what a soft limit goes up to when the hard one is infinite
+# A file only a procfs has: /proc/self/stat (this process's status line).
+PROCFS_MARK = ("self", "stat")
 _MIB = 1 << 20
 
 log = logging.getLogger("kvwatch")
@@ -38,7 +41,34 @@ def check_before_start(config: AgentConfig) -> socket.socket:
     check_audit_path(config.audit.path)
     if config.collector.backend != "diag":
         check_socket_map_fits(config.collector.max_sockets, config.path.procfs)
+    check_procfs(config.path.procfs)
     return bind_listen_address(config.http.listen)
+
+
+def procfs_problem(procfs: str) -> str | None:
+    """Why `procfs` is not a mounted procfs ("does not exist", ...), or None when it is."""
+    root = Path(procfs)
+    try:
+        if not root.is_dir():
+            return "does not exist" if not root.exists() else "is not a directory"
+        if not root.joinpath(*PROCFS_MARK).is_file():
+            return f"is not a procfs (it has no {'/'.join(PROCFS_MARK)})"
+    except (OSError, ValueError) as exc:  # not searchable; a NUL in the path
+        return f"cannot be read ({quoted(str(exc))})"
+    return None
+
+
+def check_procfs(procfs: str) -> None:
+    """ConfigError unless `path.procfs` is a procfs: without one no socket has a known owner,
+    so the policy could never act (every stall `owner_unknown`), and no network namespace of
+    another process could be reached."""
+    problem = procfs_problem(procfs)
+    if problem is not None:
+        raise ConfigError(
+            f"path.procfs {quoted(procfs)} {problem}: the agent finds each socket's owner "
+            "there, and acts on no socket without one",
+            "set path.procfs (--path.procfs) to where the host's /proc is mounted",
+        )
 
 
 def raise_descriptor_limit() -> int:
@@ -126,42 +156,48 @@ def check_audit_path(path: str) -> None:
     if not path:
         return
     fix = 'set audit.path (--audit-log) to a regular file, or to "" to log to stdout only'
+    shown = quoted(path)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         _check_creatable(path, fix)
         return
     except OSError as exc:
-        raise ConfigError(f"audit.path {path}: {exc.strerror}", fix) from exc
+        raise ConfigError(f"audit.path {shown}: {exc.strerror}", fix) from exc
     if not stat.S_ISREG(mode):
-        raise ConfigError(f"audit.path {path} is not a regular file", fix)
+        raise ConfigError(f"audit.path {shown} is not a regular file", fix)
     if not os.access(path, os.W_OK):
-        raise PrivilegeError(f"audit.path {path} is not writable by the agent", fix)
+        raise PrivilegeError(f"audit.path {shown} is not writable by the agent", fix)
 
 
 def _check_creatable(path: str, fix: str) -> None:
+    shown = quoted(path)
     directory = Path(path).absolute().parent
     while not directory.exists():
         directory = directory.parent
     if not directory.is_dir():
-        raise ConfigError(f"audit.path {path}: {directory} is not a directory", fix)
+        raise ConfigError(f"audit.path {shown}: {quoted(str(directory))} is not a directory", fix)
     if not os.access(directory, os.W_OK | os.X_OK):
         raise PrivilegeError(
-            f"audit.path {path} cannot be created: {directory} is not writable by the agent", fix
+            f"audit.path {shown} cannot be created: {quoted(str(directory))} is not writable "
+            "by the agent",
+            fix,
         )
 
 
 def bind_listen_address(listen: str) -> socket.socket:
     """A socket bound to `http.listen`; ConfigError (busy, not this host's) or PrivilegeError."""
     host, port = split_listen(listen)
+    shown = quoted(listen)
     fix = 'set http.listen (--listen) to a free address of this node, e.g. "127.0.0.1:9431"'
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
-    except socket.gaierror as exc:
+    except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: a name IDNA cannot encode
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else "not a valid host name"
         raise ConfigError(
-            f"http.listen {listen}: {host} is not an address: {exc.strerror}", fix
+            f"http.listen {shown}: {quoted(host)} is not an address: {reason}", fix
         ) from exc
     sock = socket.socket(family, kind, proto)
     try:
@@ -171,12 +207,12 @@ def bind_listen_address(listen: str) -> socket.socket:
         sock.close()
         if exc.errno == errno.EACCES:
             raise PrivilegeError(
-                f"http.listen {listen}: port {port} needs CAP_NET_BIND_SERVICE",
+                f"http.listen {shown}: port {port} needs CAP_NET_BIND_SERVICE",
                 "pick a port above 1023 for http.listen (--listen), or run the agent as root",
             ) from exc
         reason = {
             errno.EADDRINUSE: "another process already listens there",
-            errno.EADDRNOTAVAIL: f"{host} is not an address of this node",
+            errno.EADDRNOTAVAIL: f"{quoted(host)} is not an address of this node",
         }.get(exc.errno or 0, exc.strerror or str(exc))
-        raise ConfigError(f"http.listen {listen}: {reason}", fix) from exc
+        raise ConfigError(f"http.listen {shown}: {reason}", fix) from exc
     return sock

@@ -9,20 +9,24 @@ import json
 import shlex
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from kvwatch.errors import ConfigError
+from kvwatch.config import read_small_file
+from kvwatch.errors import ConfigError, quoted
 from kvwatch.tools.baseline import FORMAT, FORMAT_VERSION, ProcessMemory, Snapshot
 from kvwatch.tools.tables import human_bytes
 
+# A baseline holds a few sysctls and counters and one line per engine process: kBs.
+MAX_BASELINE_BYTES = 16 << 20
 _NEW_BASELINE_HINT = (
     "take a new one with `kvwatch baseline save FILE` (this one may be truncated or edited)"
 )
 
 
 def _unusable(source: str, problem: str) -> ConfigError:
-    return ConfigError(f"{source} is not a usable kvwatch baseline: {problem}", _NEW_BASELINE_HINT)
+    return ConfigError(
+        f"{quoted(source)} is not a usable kvwatch baseline: {problem}", _NEW_BASELINE_HINT
+    )
 
 
 def _is_int(value: object) -> bool:
@@ -98,19 +102,19 @@ def snapshot_from_json(obj: object, source: str) -> Snapshot:
 
 def load_snapshot(path: str) -> Snapshot:
     """Reads and checks a baseline file; every problem is a ConfigError (exit code 2)."""
+    data = read_small_file(
+        path, "baseline", "pass a file written by `kvwatch baseline save`", MAX_BASELINE_BYTES
+    )
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot read the baseline {path}: {exc.strerror}",
-            "pass a file written by `kvwatch baseline save`",
-        ) from exc
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _unusable(path, "it is not UTF-8 text") from exc
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise _unusable(path, f"invalid JSON at line {exc.lineno}, column {exc.colno}") from exc
+    except (ValueError, RecursionError) as exc:  # an integer of over 4300 digits; nesting
+        raise _unusable(path, "it is not a baseline's JSON") from exc
     return snapshot_from_json(obj, path)
 
 

@@ -20,8 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
-
 from kvwatch.collect.bpf.loader import (
     BTF_PATH,
     SEND_MODES,
@@ -31,9 +29,10 @@ from kvwatch.collect.bpf.loader import (
 )
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.config import HookConfig
-from kvwatch.errors import KvwatchError
+from kvwatch.daemon.preflight import procfs_problem
+from kvwatch.errors import KvwatchError, quoted
 from kvwatch.tools.baseline import parse_sysctl_numbers, read_sysctl
-from kvwatch.tools.client import DEFAULT_AGENT_URL
+from kvwatch.tools.client import DEFAULT_AGENT_URL, get_json
 from kvwatch.tools.tables import human_bytes
 
 Status = Literal["ok", "warn", "fail", "info"]
@@ -64,6 +63,21 @@ def parse_effective_capabilities(status_text: str) -> set[str]:
             mask = int(line.split()[1], 16)
             return {name for name, bit in CAPABILITIES.items() if mask >> bit & 1}
     return set()
+
+
+def check_procfs(procfs_root: str) -> Check:
+    """The --path.procfs the agent would be given: `kvwatch run` refuses one that is no procfs
+    (it finds each socket's owner there, and acts on no socket without one)."""
+    problem = procfs_problem(procfs_root)
+    if problem is None:
+        return Check("procfs", "ok", procfs_root)
+    return Check(
+        "procfs",
+        "fail",
+        f"{quoted(procfs_root)} {problem}: without it no socket has a known owner, so the "
+        "agent could never act; `kvwatch run` refuses it",
+        "pass --path.procfs where the host's /proc is mounted",
+    )
 
 
 def check_privileges(procfs_root: str) -> Check:
@@ -360,13 +374,9 @@ def check_hook_socket(path: str, daemon_answers: bool) -> Check:
 def fetch_health(url: str) -> tuple[dict[str, Any] | None, str]:
     """The daemon's /healthz answer, or None and why not."""
     try:
-        response = httpx.get(f"{url.rstrip('/')}/healthz", timeout=HEALTH_TIMEOUT_SECONDS)
-        response.raise_for_status()
-        health = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        return None, str(exc) or type(exc).__name__
-    if not isinstance(health, dict):
-        return None, "its /healthz answer is not a JSON object"
+        health: dict[str, Any] = get_json(url, "/healthz", HEALTH_TIMEOUT_SECONDS, dict)
+    except KvwatchError as exc:
+        return None, exc.message
     return health, ""
 
 
@@ -375,7 +385,7 @@ def check_daemon(url: str, health: dict[str, Any] | None, error: str) -> Check:
         return Check(
             "daemon",
             "warn",
-            f"nothing answers at {url}/healthz ({error})",
+            f"no kvwatch agent answers at {url}/healthz ({error})",
             "start the agent: `kvwatch run` (or `systemctl start kvwatch`); "
             "pass --url when it listens elsewhere",
         )
@@ -409,7 +419,8 @@ def check_socket_table(health: dict[str, Any] | None) -> Check:
 def check_engines(health: dict[str, Any] | None) -> Check:
     if health is None:
         return Check("engines", "info", "unknown: the daemon does not answer")
-    engines = [e for e in health.get("engines", []) if isinstance(e, dict)]
+    listed = health.get("engines")
+    engines = [e for e in listed if isinstance(e, dict)] if isinstance(listed, list) else []
     if not engines:
         return Check(
             "engines",
@@ -429,9 +440,11 @@ def check_engines(health: dict[str, Any] | None) -> Check:
 def run_checks(
     procfs_root: str = "/proc", url: str = DEFAULT_AGENT_URL, hook_socket: str = HOOK_SOCKET
 ) -> list[Check]:
+    procfs = check_procfs(procfs_root)
+    readable_procfs = procfs_root if procfs.status == "ok" else "/proc"  # for what follows
     checks = [
         Check("kernel", "info", f"{platform.release()} ({platform.machine()})"),
-        check_privileges(procfs_root),
+        check_privileges(readable_procfs),
         check_btf(),
         check_tracefs(),
         check_libbpf(),
@@ -446,7 +459,8 @@ def run_checks(
         checks.extend(check_gpus(inventory))
     finally:
         inventory.close()
-    checks.extend(check_sysctls(procfs_root))
+    checks.append(procfs)
+    checks.extend(check_sysctls(readable_procfs))
     health, error = fetch_health(url)
     checks.append(check_daemon(url, health, error))
     checks.append(check_socket_table(health))

@@ -62,9 +62,9 @@ def sockets_table(rows: list[dict[str, Any]]) -> Table:
         owner = f"{row['pid']}/{row['comm']}" if row["pid"] else "-"
         rwnd = human_bytes(row["peer_rwnd"]) if row["peer_rwnd"] >= 0 else "?"
         fill = row["wmem_queued"] / row["sndbuf"] if row["sndbuf"] > 0 else 0.0
-        table.add_row(
-            owner[:12],
-            f":{Endpoint.parse(row['local']).port} → {row['remote']}",
+        table.add_row(  # process names and addresses as plain text, never read as markup
+            Text(owner[:12]),
+            Text(f":{Endpoint.parse(row['local']).port} → {row['remote']}"),
             Text(state.value, style=STATE_STYLES[state]),
             f"{fill:.0%}",
             rwnd,

@@ -6,19 +6,19 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-import httpx
-
 from kvwatch.collect.bpf.loader import CollectorSettings
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.table import MergedCollector, open_collector
 from kvwatch.errors import KvwatchError
 from kvwatch.streams.states import StatePolicy
 from kvwatch.streams.view import socket_json
+from kvwatch.tools.client import AgentUnreachableError, get_json, get_text, reading_answer
 from kvwatch.top.model import (
     CancelRate,
     Frame,
     GpuMemory,
     Header,
+    MetricFacts,
     Row,
     parse_metrics,
     stalled_kv_bytes,
@@ -34,30 +34,29 @@ class FrameSource(Protocol):
 
 
 class DaemonSource:
-    """Reads /api/v1/streams, /healthz and /metrics of a running agent. Owns its HTTP client
-    and the cancel-rate history (one per `kvwatch top` run)."""
+    """Reads /api/v1/streams, /healthz and /metrics of a running agent (kvwatch.tools.client:
+    an answer that is not a kvwatch agent's is a KvwatchError naming the URL). Owns the
+    cancel-rate history (one per `kvwatch top` run)."""
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
-        self.client = httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_SECONDS)
         self.cancel_rate = CancelRate()
 
-    def _get(self, path: str) -> httpx.Response:
+    def frame(self) -> Frame:
         try:
-            response = self.client.get(path)
-            response.raise_for_status()
-        except httpx.HTTPError as exc:
+            rows: list[Row] = get_json(self.url, "/api/v1/streams", REQUEST_TIMEOUT_SECONDS, list)
+            health: dict[str, Any] = get_json(self.url, "/healthz", REQUEST_TIMEOUT_SECONDS, dict)
+            metrics_text = get_text(self.url, "/metrics", REQUEST_TIMEOUT_SECONDS)
+        except AgentUnreachableError as exc:
             raise KvwatchError(
-                f"the kvwatch daemon does not answer at {self.url} ({exc})",
+                f"the kvwatch daemon does not answer: {exc.message}",
                 "start it with `kvwatch run`, pass --url, or watch without it: "
                 "`kvwatch top --standalone`",
             ) from exc
-        return response
+        with reading_answer(self.url):
+            return self._frame(rows, health, parse_metrics(metrics_text))
 
-    def frame(self) -> Frame:
-        rows: list[Row] = self._get("/api/v1/streams").json()
-        health: dict[str, Any] = self._get("/healthz").json()
-        metrics = parse_metrics(self._get("/metrics").text)
+    def _frame(self, rows: list[Row], health: dict[str, Any], metrics: MetricFacts) -> Frame:
         uptime = float(health.get("uptime_seconds") or 0.0)
         mode = str(health.get("mode", "?"))
         header = Header(
@@ -71,7 +70,7 @@ class DaemonSource:
         return Frame(header, rows)
 
     def close(self) -> None:
-        self.client.close()
+        pass
 
 
 class StandaloneSource:

@@ -221,8 +221,24 @@ def test_corrupted_and_foreign_files_are_usage_errors(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=words) as caught:
             load_snapshot(str(path))
         assert caught.value.exit_code == EXIT_USAGE and caught.value.hint
-    with pytest.raises(ConfigError, match="cannot read the baseline"):
+    with pytest.raises(ConfigError, match="cannot read baseline"):
         load_snapshot(str(tmp_path / "absent.json"))
     with pytest.raises(ConfigError, match="not taken after") as caught:
         diff_snapshots(snapshot(5.0), snapshot(5.0))
     assert "pass the older baseline first" in caught.value.hint
+
+
+def test_a_baseline_is_read_only_from_a_small_regular_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    cases = {
+        str(fifo): "is a FIFO, not a regular file",
+        "/dev/zero": "is a character device, not a regular file",
+        str(deep): "it is not a baseline's JSON",
+    }
+    for path, words in cases.items():
+        with pytest.raises(ConfigError, match=words) as caught:
+            load_snapshot(path)
+        assert caught.value.exit_code == EXIT_USAGE

@@ -15,14 +15,19 @@ from kvwatch.collect.gpu import GpuInventory
 from kvwatch.harness.stack import free_port
 from kvwatch.tools.baseline import read_sysctl
 from kvwatch.tools.doctor import (
+    check_daemon,
+    check_engines,
     check_gpus,
     check_hook_socket,
+    check_procfs,
     check_sysctls,
+    fetch_health,
     judge_sysctl,
     who_can_connect,
 )
 from tests.collect.conftest import GIB, FakeGpu, FakeNvml
 from tests.e2e.conftest import Stack
+from tests.fuzz.servers import garbage_server
 from tests.tools.conftest import kvwatch
 
 
@@ -137,3 +142,47 @@ def test_hook_socket_states(tmp_path: Path) -> None:
     assert live.status == "ok"
     assert "mode 0660" in live.detail and "listening" in live.detail
     assert stat.S_ISSOCK(os.stat(regular).st_mode)
+
+
+def test_a_procfs_that_is_no_procfs_is_a_failed_check(tmp_path: Path) -> None:
+    assert check_procfs("/proc").status == "ok"
+    hostname = tmp_path / "hostname"
+    hostname.write_text("node\n")
+    cases = {
+        "/nonexistent": "/nonexistent does not exist",
+        str(hostname): "is not a directory",
+        str(tmp_path): "is not a procfs (it has no self/stat)",
+    }
+    for path, words in cases.items():
+        check = check_procfs(path)
+        assert check.status == "fail", check
+        assert words in check.detail and "`kvwatch run` refuses it" in check.detail
+        assert "--path.procfs" in check.fix
+
+
+def test_doctor_with_a_missing_procfs_fails_that_check_and_still_reports(tmp_path: Path) -> None:
+    code, checks = checks_of(
+        "--path.procfs",
+        "/nonexistent",
+        "--url",
+        f"http://127.0.0.1:{free_port()}",
+        "--hook-socket",
+        str(tmp_path / "engine.sock"),
+    )
+    assert code == 3
+    assert checks["procfs"]["status"] == "fail"
+    assert checks["privileges"]["status"] in ("ok", "fail")  # read from this process's /proc
+    assert "tcp_wmem" in checks
+
+
+def test_a_server_that_is_not_an_agent_is_a_warning_naming_it() -> None:
+    with garbage_server() as (url, answer):
+        answer.content_type, answer.body = "text/html", b"<html></html>"
+        health, error = fetch_health(url)
+        assert health is None
+        check = check_daemon(url, health, error)
+        assert check.status == "warn"
+        assert f"{url}/healthz is not JSON" in check.detail
+        answer.content_type, answer.body = "application/json", b'{"engines": 5}'
+        health, error = fetch_health(url)
+        assert check_engines(health).status == "info"

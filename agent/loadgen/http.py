@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from kvwatch.errors import ConfigError
+from kvwatch.errors import ConfigError, quoted
 
 Endpoint = Literal["completions", "chat"]
 MAX_HEAD_BYTES = 64 * 1024
@@ -32,7 +32,13 @@ class Target:
 
     @classmethod
     def parse(cls, url: str) -> Target:
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+        except ValueError as exc:  # "Invalid IPv6 URL"
+            raise ConfigError(
+                f"not a URL: {quoted(url)} ({exc})",
+                "pass the server's base URL as http://HOST:PORT",
+            ) from exc
         if parts.scheme != "http" or not parts.hostname:
             raise ConfigError(
                 f"unsupported URL {url!r}",

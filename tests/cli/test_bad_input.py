@@ -124,6 +124,11 @@ def test_a_malformed_url_is_refused_before_anything_is_asked(
     one_line_error(kvwatch(*command, "--url", url), EXIT_USAGE, "--url")
 
 
+def test_loadgen_refuses_a_malformed_engine_url() -> None:
+    result = kvwatch("loadgen", "--url", "http://[::1", "--duration", "0.1")
+    one_line_error(result, EXIT_USAGE, "not a URL: http://[::1")
+
+
 @pytest.mark.parametrize("command", AGENT_COMMANDS)
 def test_a_server_that_is_not_kvwatch_is_named_in_one_line(
     html_url: str, command: tuple[str, ...]

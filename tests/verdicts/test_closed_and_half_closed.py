@@ -3,8 +3,8 @@ than ESTABLISHED"): a server that wrote its answer and closed while the kernel s
 it (FIN_WAIT1, an orphan: no request, no KV, never acted on), and a client that half-closed
 after its request and reads on (the server's socket in CLOSE_WAIT, whose ACKs tcp_probe never
 sees: the agent reads it up to the kernel's own view, so its reader is not even a
-candidate, and a dead one is still cut). Real BPF, an agent in enforce mode with the reset action, clients in a
-network namespace across a veth link (MSS 1448)."""
+candidate, and a dead one is still cut). Real BPF, an agent in enforce mode with the reset
+action, clients in a network namespace across a veth link (MSS 1448)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND
+from tests.waiting import wait_until
 
 from .conftest import Agent, Lab
 from .netlab import Link
@@ -21,11 +22,6 @@ from .readers import Reader
 from .token_server import EVENT
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
-# The default attach (tp_btf, records in socket storage) and the one kprobe-less kernels
-# without BTF-typed programs get (raw_tp send path, records in the LRU hash).
-ATTACHES = pytest.mark.parametrize(
-    "attach", [(), ("--send-mode", "raw_tp")], ids=["tp_btf-sk_storage", "raw_tp-lru_hash"]
-)
 
 GUARANTEE = DEFAULT_MIN_READER_BYTES_PER_SECOND
 BURST_BYTES = 150_000
@@ -36,17 +32,10 @@ BURST_READ_SECONDS = BURST_BYTES / (2 * GUARANTEE) + 10
 HALF_CLOSED_WATCH_SECONDS = 25.0
 
 
-def wait_for(condition: Callable[[], bool], timeout_seconds: float) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.2)
-
-
-@ATTACHES
 def test_a_server_that_closed_while_the_kernel_drains_is_never_cut(
-    labs: Callable[[Link], Lab], agent: Agent, attach: tuple[str, ...]
+    labs: Callable[[Link], Lab], agent: Agent
 ) -> None:
-    agent.start(*attach)
+    agent.start()
     lab = labs(Link(0, 0.0))
     request = f"burst {BURST_BYTES} {LINGER_SECONDS}\n".encode()
     live = [
@@ -54,7 +43,15 @@ def test_a_server_that_closed_while_the_kernel_drains_is_never_cut(
         for buffer in ("64k", "default")
     ]
     dead = lab.connect(Reader("closed-dead-64k", "64k", GUARANTEE, read_seconds=0), request)
-    wait_for(lambda: all(reader.ended_ns or reader.reset_ns for reader in live), BURST_READ_SECONDS)
+    wait_until(
+        lambda: all(reader.ended_ns or reader.reset_ns for reader in live),
+        BURST_READ_SECONDS,
+        lambda: (
+            "every live reader's end: "
+            + ", ".join(f"{r.name} read {r.bytes_read} of {BURST_BYTES} bytes" for r in live)
+        ),
+        poll_seconds=0.2,
+    )
 
     sent = (EVENT * (BURST_BYTES // len(EVENT) + 1))[:BURST_BYTES]
     for reader in live:
@@ -68,17 +65,16 @@ def test_a_server_that_closed_while_the_kernel_drains_is_never_cut(
     assert (row["state"], row["orphaned"], row["pid"]) == ("closed", True, 0), row
 
 
-@ATTACHES
 def test_a_half_closed_client_that_reads_on_is_never_cut_and_a_dead_one_is(
-    labs: Callable[[Link], Lab], agent: Agent, attach: tuple[str, ...]
+    labs: Callable[[Link], Lab], agent: Agent
 ) -> None:
-    agent.start(*attach)
+    agent.start()
     lab = labs(Link(0, 0.0))
     live = lab.connect(Reader("half-closed-live-64k", "64k", 3 * GUARANTEE // 2, half_close=True))
     dead = lab.connect(
         Reader("half-closed-dead-4k", "4k", 4 * GUARANTEE, read_seconds=0, half_close=True)
     )
-    time.sleep(HALF_CLOSED_WATCH_SECONDS)
+    time.sleep(HALF_CLOSED_WATCH_SECONDS)  # deliberate: the live reader must last it uncut
 
     assert not live.reset_ns, f"the live half-closed reader was cut after {live.bytes_read} bytes"
     assert live.bytes_read >= GUARANTEE * (HALF_CLOSED_WATCH_SECONDS - 5)

@@ -37,7 +37,7 @@ else:  # Python 3.10
     import tomli as tomllib
 
 from kvwatch.collect.bpf.layout import MAX_FILTER_PORTS
-from kvwatch.collect.bpf.loader import SEND_MODES
+from kvwatch.collect.bpf.loader import SEND_MODES, CollectorSettings
 from kvwatch.collect.table import Backend
 from kvwatch.errors import ConfigError, quoted
 from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StatePolicy
@@ -111,6 +111,12 @@ class CollectorConfig:
     backend: Backend = "auto"
     send_mode: str = "auto"
     max_sockets: int = 16384
+
+    def settings(self) -> CollectorSettings:
+        """What the BPF programs are loaded with (kvwatch.collect.bpf.loader)."""
+        return CollectorSettings(
+            ports=self.ports, pid=self.pid, max_sockets=self.max_sockets, send_mode=self.send_mode
+        )
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,17 @@ of config settings (checked by the config's own rules) and the agent's --url."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 from click.core import ParameterSource
 
-from kvwatch.collect.bpf.loader import SEND_MODES, CollectorSettings
+from kvwatch.collect.bpf.loader import SEND_MODES
 from kvwatch.collect.table import BACKENDS
-from kvwatch.config import RANGES, parse_flag
-from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StatePolicy, StreamState
+from kvwatch.config import RANGES, AgentConfig, load_config, parse_flag
+from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StreamState
 from kvwatch.tools.client import DEFAULT_AGENT_URL, agent_url
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -157,16 +158,31 @@ def collector_options(with_defaults: bool = True) -> Callable[[F], F]:
     return apply
 
 
-def collector_settings(
-    ports: tuple[int, ...], pid: int | None, send_mode: str, max_sockets: int
-) -> CollectorSettings:
-    return CollectorSettings(
-        ports=tuple(ports), pid=pid or 0, max_sockets=max_sockets, send_mode=send_mode
-    )
-
-
-def state_policy(stall_seconds: float, min_reader_rate: int) -> StatePolicy:
-    return StatePolicy(stall_seconds=stall_seconds, min_reader_bytes_per_second=min_reader_rate)
+def collector_config(
+    ports: tuple[int, ...],
+    pid: int | None,
+    backend: str | None,
+    send_mode: str | None,
+    max_sockets: int | None,
+    stall_seconds: float | None,
+    min_reader_rate: int | None,
+    procfs_root: str | None,
+) -> AgentConfig:
+    """The configuration `sockets --standalone` and `top --standalone` read the kernel with:
+    the collector options' flags over the environment, through the loader `kvwatch run` uses
+    (one set of defaults and bounds, one way to build the collector's settings and the
+    judge's thresholds from it)."""
+    flags: dict[str, object | None] = {
+        "collector.ports": ports or None,
+        "collector.pid": pid,
+        "collector.backend": backend,
+        "collector.send_mode": send_mode,
+        "collector.max_sockets": max_sockets,
+        "policy.stall_seconds": stall_seconds,
+        "policy.min_reader_bytes_per_second": min_reader_rate,
+        "path.procfs": procfs_root,
+    }
+    return load_config(None, os.environ, {k: v for k, v in flags.items() if v is not None})
 
 
 def announce_collector(note: str) -> None:

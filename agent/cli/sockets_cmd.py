@@ -14,10 +14,9 @@ from rich.live import Live
 from kvwatch.cli.options import (
     agent_url_option,
     announce_collector,
+    collector_config,
     collector_options,
-    collector_settings,
     state_filter_option,
-    state_policy,
 )
 from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
 from kvwatch.collect.table import OpenedCollector, open_collector
@@ -31,7 +30,7 @@ AGENT_TIMEOUT_SECONDS = 2.0
 
 
 @click.command("sockets")
-@collector_options()
+@collector_options(with_defaults=False)
 @state_filter_option()
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON contract (an array).")
 @click.option("--watch", is_flag=True, help="Refresh until interrupted (Ctrl-C).")
@@ -61,12 +60,12 @@ AGENT_TIMEOUT_SECONDS = 2.0
 def command(
     ports: tuple[int, ...],
     pid: int | None,
-    backend: str,
-    send_mode: str,
-    max_sockets: int,
-    stall_seconds: float,
-    min_reader_rate: int,
-    procfs_root: str,
+    backend: str | None,
+    send_mode: str | None,
+    max_sockets: int | None,
+    stall_seconds: float | None,
+    min_reader_rate: int | None,
+    procfs_root: str | None,
     states: tuple[str, ...],
     as_json: bool,
     watch: bool,
@@ -95,9 +94,13 @@ def command(
         None if standalone else AgentRows.reached(url, ports, pid)
     )
     if source is None:
-        settings = collector_settings(ports, pid, send_mode, max_sockets)
-        policy = state_policy(stall_seconds, min_reader_rate)
-        source = KernelRows(open_collector(settings, backend, procfs_root), policy)
+        config = collector_config(
+            ports, pid, backend, send_mode, max_sockets, stall_seconds, min_reader_rate, procfs_root
+        )
+        opened = open_collector(
+            config.collector.settings(), config.collector.backend, config.path.procfs
+        )
+        source = KernelRows(opened, config.policy.state_policy())
         time.sleep(settle)
     announce_collector(source.note)
     try:

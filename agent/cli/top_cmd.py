@@ -12,10 +12,9 @@ from rich.console import Console
 from kvwatch.cli.options import (
     agent_url_option,
     announce_collector,
+    collector_config,
     collector_options,
-    collector_settings,
     state_filter_option,
-    state_policy,
 )
 from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
 from kvwatch.tools.client import reading_answer
@@ -33,7 +32,7 @@ from kvwatch.top.sources import DaemonSource, FrameSource, StandaloneSource
     "join, so no request IDs or KV). --backend, --send-mode, --max-sockets and "
     "--stall-seconds apply only here.",
 )
-@collector_options()
+@collector_options(with_defaults=False)
 @state_filter_option()
 @click.option(
     "--sort", type=click.Choice(SORT_KEYS), default="stuck", show_default=True, help="Row order."
@@ -58,12 +57,12 @@ def command(
     standalone: bool,
     ports: tuple[int, ...],
     pid: int | None,
-    backend: str,
-    send_mode: str,
-    max_sockets: int,
-    stall_seconds: float,
-    min_reader_rate: int,
-    procfs_root: str,
+    backend: str | None,
+    send_mode: str | None,
+    max_sockets: int | None,
+    stall_seconds: float | None,
+    min_reader_rate: int | None,
+    procfs_root: str | None,
     states: tuple[str, ...],
     sort: str,
     once: bool,
@@ -100,9 +99,14 @@ def command(
     source: FrameSource
     reading: AbstractContextManager[None] = nullcontext()
     if standalone:
-        settings = collector_settings(ports, pid, send_mode, max_sockets)
+        config = collector_config(
+            ports, pid, backend, send_mode, max_sockets, stall_seconds, min_reader_rate, procfs_root
+        )
         standalone_source = StandaloneSource(
-            settings, backend, procfs_root, state_policy(stall_seconds, min_reader_rate)
+            config.collector.settings(),
+            config.collector.backend,
+            config.path.procfs,
+            config.policy.state_policy(),
         )
         announce_collector(standalone_source.note)
         source = standalone_source

@@ -18,7 +18,6 @@ from kvwatch.act.carry import Executor
 from kvwatch.act.episodes import Episode, Episodes
 from kvwatch.act.record import Recorder
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
-from kvwatch.collect.bpf.loader import CollectorSettings
 from kvwatch.collect.bpf.maps import EventRing
 from kvwatch.collect.gpu import GpuInventory, NvmlApi
 from kvwatch.collect.listeners import ListeningPorts
@@ -50,16 +49,6 @@ log = logging.getLogger(__name__)
 BPF_SCAN_SECONDS = 1.0
 DIAG_SCAN_SECONDS = 0.5
 TABLE_WARNING_NS = 300 * 1_000_000_000
-
-
-def collector_settings(config: AgentConfig) -> CollectorSettings:
-    collector = config.collector
-    return CollectorSettings(
-        ports=collector.ports,
-        pid=collector.pid,
-        max_sockets=collector.max_sockets,
-        send_mode=collector.send_mode,
-    )
 
 
 class Daemon:
@@ -107,7 +96,7 @@ class Daemon:
     async def start(self) -> None:
         """Attaches the collector and opens the hook socket; the agent is ready after it."""
         loop = asyncio.get_running_loop()
-        settings = collector_settings(self.config)
+        settings = self.config.collector.settings()
         self.opened = await loop.run_in_executor(
             self._collect,
             open_collector,

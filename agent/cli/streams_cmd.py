@@ -13,7 +13,7 @@ from rich.text import Text
 from kvwatch.cli.options import agent_url_option, state_filter_option
 from kvwatch.streams.states import StreamState
 from kvwatch.tools.client import get_json, reading_answer
-from kvwatch.tools.tables import STATE_STYLES, kv_text
+from kvwatch.tools.tables import STATE_STYLES, kv_text, state_label
 
 
 @click.command("streams")
@@ -57,7 +57,7 @@ def print_streams(rows: list[dict[str, Any]]) -> None:
             Text(str(row["request_id"] or "-")),
             Text(str(row["remote"])),
             Text(via_text(row)),
-            Text(state.value, style=STATE_STYLES[state]),
+            Text(state_label(row), style=STATE_STYLES[state]),
             kv_text(row),
             f"{row['no_progress_seconds']:.1f}s",
             stall_text(row),

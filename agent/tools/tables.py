@@ -21,6 +21,12 @@ STATE_STYLES = {
 }
 
 
+def state_label(row: dict[str, Any]) -> str:
+    """The stream's state, and whether its action failed on every try (`action_failed`)."""
+    state = str(row.get("state", "?"))
+    return f"{state} (action failed)" if row.get("action_failed") else state
+
+
 def human_bytes(count: int) -> str:
     value = float(count)
     for unit in ("B", "K", "M", "G"):

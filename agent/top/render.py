@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvwatch.streams.states import StreamState
-from kvwatch.tools.tables import ESTIMATE_MARK, STATE_STYLES, human_bytes
+from kvwatch.tools.tables import ESTIMATE_MARK, STATE_STYLES, human_bytes, state_label
 from kvwatch.top.model import Frame, Header, Row, RowFilter, fill_fraction
 
 COLUMN_GAP = 1
@@ -97,7 +97,7 @@ COLUMNS = (
     Column("PID/COMM", 5, _owner, "left"),
     Column("CONNECTION", 2, _connection, "left"),
     Column("REQUEST", 3, _request, "left"),
-    Column("STATE", 1, lambda r: str(r.get("state", "?")), "left"),
+    Column("STATE", 1, state_label, "left"),
     Column("FILL", 6, lambda r: f"{fill_fraction(r):.0%}"),
     Column("RWND", 7, _window),
     Column("ZW", 8, lambda r: _seconds(r.get("zero_window_seconds"))),

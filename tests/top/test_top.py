@@ -161,6 +161,15 @@ def test_frames_fit_the_width_dropping_the_least_important_columns(width: int) -
     assert "stalled 1 holding KV 10.0M" in text
 
 
+def test_a_stream_whose_action_failed_on_every_try_says_so() -> None:
+    header = Header("daemon x", "enforce", {"send": "fentry"}, (), 10 << 20, 2.0)
+    failed = {"actions": ["reset"], "tries": 4, "decision_id": "x-1"}
+    rows = [stream_row("stalled", 50000, action_failed=failed), stream_row("stalled", 50001)]
+    text = render(Frame(header, rows), RowFilter(), 160)
+    assert "stalled (action failed)" in row_line(text, "192.168.1.7:50000")
+    assert "action failed" not in row_line(text, "192.168.1.7:50001")
+
+
 def test_filters_and_sorts() -> None:
     rows = [
         stream_row("healthy", 1, pid=1, kv_bytes=1),

@@ -1,7 +1,7 @@
 """The one error hierarchy of kvwatch.
 
 Every error carries a message that says what went wrong and a hint that says what to do next.
-The CLI maps each class to the exit code of DESIGN.md's contract.
+The CLI maps each class to its exit code (docs/contracts.md, "Commands and exit codes").
 """
 
 from __future__ import annotations

@@ -4,15 +4,12 @@ ending in an outcome line; a failed one is tried again while its episode lasts.
 The decision comes from the policy (kvwatch.policy.decide) and is not changed here except in
 one way: a decision to act whose stall the kernel's own view of the socket does not show
 becomes a skip ("unconfirmed", "socket_gone") and gives its budget unit back
-(kvwatch.act.confirm). An action is a method of `Actions` named in `policy.actions`
-(`cancel`, `reset`); a new one is a method there, its name in `_act`, and a rule in
-kvwatch.policy.rules that can choose it.
+(kvwatch.act.confirm). The actions themselves: kvwatch.act.actions.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from kvwatch.act.actions import Actions
@@ -21,7 +18,6 @@ from kvwatch.act.record import Recorder
 from kvwatch.policy.decide import Decider, retry_after
 from kvwatch.policy.rules import Decision
 from kvwatch.streams.join import Joiner
-from kvwatch.streams.relay import Cancels
 from kvwatch.streams.view import StreamView
 
 log = logging.getLogger(__name__)
@@ -35,9 +31,7 @@ RETRY_DELAYS_SECONDS = (1.0, 2.0, 4.0)
 
 
 class Executor:
-    """Carries decisions out and records them; owned by the event loop. `cancels` are the
-    requests it cancelled, by engine socket, for the relay join (a proxy's client socket
-    whose request kvwatch cancelled is reset)."""
+    """Carries decisions out and records them; owned by the event loop."""
 
     def __init__(
         self, actions: Actions, recorder: Recorder, decider: Decider, joiner: Joiner
@@ -47,7 +41,6 @@ class Executor:
         self.decider = decider
         self.budget = decider.budget
         self.joiner = joiner
-        self.cancels = Cancels()
 
     async def on_stalled(self, episode: Episode, view: StreamView) -> float | None:
         """A stalled stream, in its episode: the actions still to try are tried again; else,
@@ -146,15 +139,7 @@ class Executor:
         return tuple(failed)
 
     async def _act(self, view: StreamView, unfinished: Unfinished, action: str) -> dict[str, Any]:
-        if action == "cancel":
-            result = await self.actions.cancel(view, unfinished.reason, unfinished.evidence)
-            unfinished.cancelled = result["status"] == "cancelled"
-            if unfinished.cancelled and view.engine is not None:
-                self.cancels.add(view.engine, time.monotonic_ns())
-        else:
-            result = await self.actions.reset(
-                view, unfinished.reason, follow=not unfinished.cancelled
-            )
+        result = await self.actions.run(action, view, unfinished)
         if "freed_bytes" in result:
             result["estimated"] = unfinished.evidence["kv_estimated"]
         return result

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from kvwatch.act.actions import ActionTally
+from kvwatch.act.tally import ActionTally
 from kvwatch.collect.bpf.collector import BpfCollector
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.table import OpenedCollector, TableStatus

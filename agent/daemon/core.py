@@ -12,11 +12,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from kvwatch.act.actions import Actions, ActionTally
+from kvwatch.act.actions import Actions
 from kvwatch.act.audit import AuditLog
 from kvwatch.act.carry import Executor
 from kvwatch.act.episodes import Episode, Episodes
 from kvwatch.act.record import Recorder
+from kvwatch.act.tally import ActionTally
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.collect.bpf.maps import EventRing
 from kvwatch.collect.gpu import GpuInventory, NvmlApi
@@ -240,7 +241,7 @@ class Daemon:
             self._samples.values(),
             listeners=self.listeners,
             ledger=self.feed_ledger,
-            cancels=self.executor.cancels,
+            cancels=self.actions.cancels,
         )
 
     def stream_views(self) -> list[StreamView]:

@@ -35,7 +35,7 @@ def acts_on(agent: Agent, reader: Reader) -> list[dict[str, object]]:
     return [entry for entry in agent.acts() if entry["remote"] == reader.local]
 
 
-def decisions_on(agent: Agent, reader: Reader) -> list[dict[str, object]]:
+def decisions_on(agent: Agent, reader: Reader) -> list[dict[str, Any]]:
     return [e for e in agent.audit_entries("decision") if e["remote"] == reader.local]
 
 

@@ -10,6 +10,7 @@ from kvwatch.act.confirm import check
 from kvwatch.collect.diag.kernel_view import CheckedViews
 from kvwatch.streams.states import StatePolicy, judge
 from tests.act.stalled import StalledConnections, kernel_view
+from tests.waiting import wait_until
 
 POLICY = StatePolicy()
 
@@ -36,7 +37,11 @@ def test_a_reader_that_drained_since_the_record_is_not_stalled(
     reader.settimeout(1)
     for _ in range(8):
         reader.recv(65536)
-    time.sleep(0.05)
+    wait_until(
+        lambda: kernel_view(record.local, record.remote).tcp_info.bytes_acked > record.bytes_acked,
+        2,
+        "the kernel to see the drained bytes acknowledged",
+    )
     now = time.monotonic_ns()
     entry = kernel_view(record.local, record.remote)
     verdict = check(record, judge(record, now, POLICY), entry, now, now, POLICY, CheckedViews())

@@ -7,7 +7,6 @@ and is stopped (engine included) when its test ends.
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,14 +57,6 @@ def make_server() -> Iterator[Callable[..., EngineServer]]:
     yield make
     for server in servers:
         server.stop()
-
-
-def wait_until(condition: Callable[[], bool], timeout_seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
 
 
 class StalledClient:

@@ -13,7 +13,7 @@ import pytest
 from kvwatch.engine.core import Engine
 from kvwatch.engine.requests import Completion, GenerationRequest, RequestHandle
 from kvwatch.hookwire.types import CancelOutcome
-from tests.engine.conftest import wait_until
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -57,7 +57,7 @@ def run(
         canceller.start()
     for request in requests:
         handles[request.request_id] = engine.submit(request)
-        time.sleep(0.002)
+        time.sleep(0.002)  # deliberate: submissions spread out, for the cancels to race
     results = collect_all(handles)
     if canceller:
         canceller.join()
@@ -82,7 +82,7 @@ def test_cancels_racing_admissions_never_corrupt_kv(
     def cancel_some(ids: list[str]) -> None:
         rng = random.Random(ids[0])
         for request_id in ids:
-            time.sleep(rng.uniform(0.0, 0.06))
+            time.sleep(rng.uniform(0.0, 0.06))  # deliberate: each cancel at a random moment
             outcomes[request_id] = engine.cancel(request_id, "race test")
 
     def cancel_in_two_threads() -> None:
@@ -108,5 +108,5 @@ def test_cancels_racing_admissions_never_corrupt_kv(
         else:  # not cancelled: finished first, or the cancel overtook its submission
             assert result.finish.reason == "length"
             assert result.token_ids == expected, request_id
-    wait_until(lambda: engine.stats().kv_blocks_used == 0)
+    wait_until(lambda: engine.stats().kv_blocks_used == 0, 20, "every KV block freed")
     assert engine.stats().num_preemptions > 0

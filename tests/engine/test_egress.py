@@ -17,7 +17,8 @@ import pytest
 
 from kvwatch.engine.metrics import RequestSnapshot
 from kvwatch.engine.server import EngineServer
-from tests.engine.conftest import StalledClient, wait_until
+from tests.engine.conftest import StalledClient
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -33,7 +34,7 @@ def settled_snapshot(server: EngineServer, request_id: str) -> RequestSnapshot:
     deadline = time.monotonic() + 10
     previous = snapshot(server, request_id)
     while time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.5)  # deliberate: "settled" means unchanged over this half second
         current = snapshot(server, request_id)
         if current is not None and current == previous:
             return current
@@ -65,10 +66,14 @@ def test_coupled_stall_pins_kv_until_cancel_then_queue_moves_and_client_is_reset
     # The request stops advancing once its queue is full, and keeps its blocks. Bytes still in
     # flight can drain into the client's receive buffer and unblock it briefly, so "stopped"
     # means: no change over half a second.
-    wait_until(lambda: getattr(snapshot(server, "cmpl-stalled"), "state", "") == "egress_blocked")
+    wait_until(
+        lambda: getattr(snapshot(server, "cmpl-stalled"), "state", "") == "egress_blocked",
+        20,
+        "the stalled request blocked on its full queue",
+    )
     pinned = settled_snapshot(server, "cmpl-stalled")
     assert pinned.kv_blocks > 0
-    time.sleep(0.5)
+    time.sleep(0.5)  # deliberate: nothing may change while the client still does not read
     assert snapshot(server, "cmpl-stalled") == pinned
 
     # A request whose prompt needs one block more than is free waits behind it.
@@ -87,8 +92,12 @@ def test_coupled_stall_pins_kv_until_cancel_then_queue_moves_and_client_is_reset
 
     thread = threading.Thread(target=queued_request)
     thread.start()
-    wait_until(lambda: getattr(snapshot(server, "cmpl-queued"), "state", "") == "waiting")
-    time.sleep(0.5)
+    wait_until(
+        lambda: getattr(snapshot(server, "cmpl-queued"), "state", "") == "waiting",
+        20,
+        "the queued request waiting for blocks",
+    )
+    time.sleep(0.5)  # deliberate: it must go on waiting while the stalled one pins its blocks
     assert getattr(snapshot(server, "cmpl-queued"), "state", "") == "waiting"
     assert snapshot(server, "cmpl-stalled") == pinned
 
@@ -113,7 +122,7 @@ def test_decoupled_frees_kv_at_finish_while_the_client_still_stalls(
 ) -> None:
     server = make_server(kv_blocks=POOL_BLOCKS, egress="decoupled")
     client = stall(server, stalled_clients, max_tokens=300)
-    wait_until(lambda: not server.engine.stats().requests)
+    wait_until(lambda: not server.engine.stats().requests, 20, "the request finished")
     assert server.engine.stats().kv_blocks_used == 0
     assert metric_value(server, "kvwatch_engine:kv_cache_blocks_used") == 0.0
 
@@ -144,7 +153,7 @@ def test_client_that_hangs_up_mid_stream_frees_its_request(
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
     # The client closed its connection (FIN): the engine aborts the request and frees it.
-    wait_until(lambda: not server.engine.stats().requests)
+    wait_until(lambda: not server.engine.stats().requests, 20, "the request aborted")
     assert server.engine.stats().kv_blocks_used == 0
     aborted = 'kvwatch_engine:request_success_total{finished_reason="abort"}'
     assert metric_value(server, aborted) == 1.0

@@ -32,7 +32,8 @@ from kvwatch.hookwire.protocol import (
     encode,
 )
 from kvwatch.sockets import Endpoint
-from tests.engine.conftest import StalledClient, tiny_config, wait_until
+from tests.engine.conftest import StalledClient, tiny_config
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -131,7 +132,14 @@ def test_agent_cancel_frees_the_stalled_request_and_resets_its_client(
 
         # Bytes still in flight can let a blocked request advance once more: wait until the
         # engine's pinned blocks and the agent's newest update agree.
-        wait_until(lambda: pinned_blocks() > 0 and reported_blocks() == pinned_blocks())
+        wait_until(
+            lambda: pinned_blocks() > 0 and reported_blocks() == pinned_blocks(),
+            20,
+            lambda: (
+                f"the agent's newest update ({reported_blocks()} blocks) to match "
+                f"the engine's pinned blocks ({pinned_blocks()})"
+            ),
+        )
         blocks = pinned_blocks()
 
         agent.send(Cancel(request_id="cmpl-hooked", reason="stalled", correlation_id="c-1"))

@@ -13,7 +13,8 @@ from httpx_sse import connect_sse
 
 from kvwatch.engine.requests import GenerationRequest
 from kvwatch.engine.server import EngineServer
-from tests.engine.conftest import StalledClient, wait_until
+from tests.engine.conftest import StalledClient
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -195,7 +196,7 @@ def test_overload_and_duplicate_ids_are_refused_while_a_stream_is_stuck(
     body = json.dumps({"prompt": "s", "max_tokens": 900, "stream": True}).encode()
     stalled_clients.append(StalledClient(server.address, body, request_id="stuck"))
     server.engine.submit(GenerationRequest("waiting-one", [256, 65], max_tokens=4))
-    wait_until(lambda: server.engine.stats().waiting == 1)
+    wait_until(lambda: server.engine.stats().waiting == 1, 20, "one request waiting")
 
     busy = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 2})
     assert busy.status_code == 503
@@ -209,7 +210,7 @@ def test_overload_and_duplicate_ids_are_refused_while_a_stream_is_stuck(
     assert duplicate.status_code == 400
     assert duplicate.json()["error"]["code"] == "duplicate_request_id"
     assert server.engine.cancel("cmpl-stuck", "test cleanup").status == "cancelled"
-    wait_until(lambda: server.engine.stats().waiting == 0)
+    wait_until(lambda: server.engine.stats().waiting == 0, 20, "no request waiting")
 
 
 def test_metrics_and_health(client: httpx.Client) -> None:

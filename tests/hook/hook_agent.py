@@ -6,7 +6,6 @@ from __future__ import annotations
 import selectors
 import socket
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -14,6 +13,7 @@ from typing import TypeVar
 from kvwatch.errors import ProtocolError
 from kvwatch.hook import EngineInfo
 from kvwatch.hookwire.protocol import LineFramer, Message, encode
+from tests import waiting
 
 WAIT_SECONDS = 5.0
 M = TypeVar("M", bound=Message)
@@ -127,8 +127,5 @@ def of_kind(messages: list[Message], kind: type[M], request_id: str | None = Non
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_SECONDS) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
+    """tests.waiting.wait_until with these tests' default timeout, looking every 10 ms."""
+    waiting.wait_until(predicate, timeout, poll_seconds=0.01)

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import os
 import socket
-import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -17,6 +16,7 @@ from kvwatch.hook import CancelHandler, CancelOutcome, EngineHook, EngineInfo
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.hookserver.server import HookServer
 from kvwatch.hookwire.protocol import LineFramer, Message, encode
+from tests.waiting import wait_until_async
 
 WAIT_SECONDS = 5.0
 BYTES_PER_BLOCK = 16384
@@ -35,11 +35,8 @@ def run_async(scenario: Coroutine[Any, Any, None], timeout_seconds: float = 20.0
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_seconds: float = WAIT_SECONDS) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
+    """tests.waiting.wait_until_async with these tests' default timeout, looking every 10 ms."""
+    await wait_until_async(predicate, timeout_seconds, poll_seconds=0.01)
 
 
 class ChangeLog:

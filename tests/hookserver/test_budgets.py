@@ -33,6 +33,7 @@ def test_a_connection_that_says_no_hello_is_closed(socket_path: str) -> None:
             await engine.send(HELLO)
             assert isinstance(await engine.receive(), Welcome)
             assert await silent.at_eof(timeout_seconds=2.0)
+            # deliberate: past the engine's own hello deadline too (it said hello: kept)
             await asyncio.sleep(0.4)
             assert server.counters()["hello_timeouts"] == 1
             assert [e["engine"] for e in server.engines()] == ["raw"]  # the session stays

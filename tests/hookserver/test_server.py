@@ -579,7 +579,7 @@ def test_agent_restart_engine_reannounces_within_two_seconds(socket_path: str) -
                 await wait_until(lambda: len(server.streams()) == 2)
                 hook.stream_updated("live-1", kv_blocks=6, tokens_out=80)
                 await wait_until(lambda: server.streams()[0].kv_blocks == 6)
-                await asyncio.sleep(0.5)  # the streams are half a second old at the restart
+                await asyncio.sleep(0.5)  # deliberate: the streams are 0.5 s old at the restart
             restarted = time.monotonic()
             async with running_server(socket_path) as (server, _):
                 await wait_until(lambda: len(server.streams()) == 2, timeout_seconds=2.0)

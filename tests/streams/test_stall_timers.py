@@ -107,7 +107,7 @@ def test_a_stall_reaches_the_handler_when_it_matures_not_before_and_not_by_polli
         timers = StallTimers(policy, kernel.read, handler)
         timers.observe(sample)
         assert len(timers) == 1
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # deliberate: a window in which nothing may happen
         assert not handler.calls and kernel.reads == 0  # asleep until the stall can mature
         await wait_until(lambda: bool(handler.calls), timeout_seconds=2)
         called_ns, seen, judgement = handler.calls[0]
@@ -130,8 +130,8 @@ def test_the_handler_hears_of_a_stall_until_it_says_done_and_never_after() -> No
         await wait_until(lambda: len(handler.calls) == 3, timeout_seconds=2)
         for _ in range(20):  # edge events and scans of the same stall episode
             timers.observe(sample)
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)
+            await asyncio.sleep(0.01)  # deliberate: observations spread over 0.2 s
+        await asyncio.sleep(0.2)  # deliberate: room for a fourth call, were there one
         assert len(handler.calls) == 3 and len(timers) == 0
         again = pressed(time.monotonic_ns(), bytes_acked=2000)  # progress, then a new stall
         kernel.sockets[KEY] = again
@@ -157,10 +157,10 @@ def test_one_check_at_a_time_however_often_a_socket_is_observed() -> None:
         await wait_until(lambda: bool(handler.calls), timeout_seconds=2)
         for _ in range(50):  # while the handler works on it
             timers.observe(sample)
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # lets the handler's task run between observations
         assert len(timers) == 0 and len(handler.calls) == 1
         release.set()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # deliberate: room for a second check, were there one
         assert len(handler.calls) == 1 and handler.most_running == 1 and kernel.reads == 1
         timers.close()
 
@@ -180,7 +180,7 @@ def test_a_failed_handler_is_tried_again_at_the_next_observation_without_waiting
         await wait_until(lambda: len(handler.calls) == 2, timeout_seconds=2)
         gap_ns = handler.calls[1][0] - handler.calls[0][0]
         assert gap_ns < RETRY_AFTER_ERROR_SECONDS * 1e9 / 2
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # deliberate: room for a third call, were there one
         assert len(handler.calls) == 2  # the retry said done
         timers.close()
 
@@ -196,6 +196,7 @@ def test_a_handler_that_keeps_failing_is_retried_once_per_delay_not_in_a_loop() 
         kernel.sockets[KEY] = sample
         timers = StallTimers(POLICY, kernel.read, handler)
         timers.observe(sample)
+        # deliberate: time for exactly one retry after the delay (a loop would make many)
         await asyncio.sleep(RETRY_AFTER_ERROR_SECONDS * 1.5)
         assert len(handler.calls) == 2
         gap_ns = handler.calls[1][0] - handler.calls[0][0]
@@ -217,7 +218,7 @@ def test_forget_cancels_the_timer() -> None:
         timers.forget(KEY)  # the socket closed
         assert len(timers) == 1
         await wait_until(lambda: bool(handler.calls), timeout_seconds=2)  # both were due now
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # deliberate: room for the forgotten one, were it called
         assert [call[1].key for call in handler.calls] == [KEY + 1]
         timers.close()
 
@@ -238,7 +239,7 @@ def test_a_socket_whose_back_pressure_ends_before_the_stall_matures_is_not_repor
         after = drained(sample, time.monotonic_ns())
         kernel.sockets[KEY] = after if ending == "window_reopened" else None
         await wait_until(lambda: kernel.reads == 1, timeout_seconds=2)  # when it was due
-        await asyncio.sleep(POLICY.stall_seconds)
+        await asyncio.sleep(POLICY.stall_seconds)  # deliberate: room for a later look or call
         assert kernel.reads == 1 and not handler.calls and len(timers) == 0
         timers.close()
 
@@ -254,7 +255,7 @@ def test_an_observation_without_back_pressure_drops_the_timer() -> None:
         timers.observe(sample)
         timers.observe(drained(sample, time.monotonic_ns()))  # an edge event: window open
         assert len(timers) == 0
-        await asyncio.sleep(POLICY.stall_seconds + 0.15)
+        await asyncio.sleep(POLICY.stall_seconds + 0.15)  # deliberate: past when it was due
         assert kernel.reads == 0 and not handler.calls
         timers.close()
 
@@ -276,7 +277,7 @@ def test_a_reader_that_keeps_draining_is_looked_at_but_never_reported() -> None:
     async def scenario() -> None:
         timers = StallTimers(POLICY, read, handler)
         timers.observe(pressed(time.monotonic_ns()))
-        await asyncio.sleep(4 * POLICY.stall_seconds)
+        await asyncio.sleep(4 * POLICY.stall_seconds)  # deliberate: counts looks over 0.8 s
         assert 2 <= len(reads) <= 5  # looked at once per stall_seconds, while it lasts
         looks = len(reads)
         await wait_until(lambda: len(reads) > looks, timeout_seconds=2)  # and still watched

@@ -27,8 +27,9 @@ from kvwatch.errors import BpfError
 from kvwatch.harness.scenario import Scenario, ScenarioClient
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.states import StatePolicy, StreamState, classify
-from tests.collect.bpf.conftest import EventLog, differences, record_fields, wait_for
+from tests.collect.bpf.conftest import EventLog, differences, record_fields
 from tests.kernel.guest_modes import endpoint_of, server_side
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
 POLICY = StatePolicy(stall_seconds=2.0)
@@ -181,7 +182,7 @@ def test_stalled_slow_and_idle_clients_agree_field_by_field(pair: Pair) -> None:
                 sample = server_side(collector, client)
                 if sample is not None:
                     seen[backend][kind].add(classify(sample, now, POLICY))
-        time.sleep(0.05)
+        time.sleep(0.05)  # deliberate: a look every 50 ms for WATCH_SECONDS
     for backend in ("core", "bcc"):
         assert StreamState.STALLED in seen[backend]["stalled"], (backend, seen)
         assert StreamState.STALLED not in seen[backend]["slow"], (backend, seen)
@@ -205,7 +206,7 @@ def test_reopening_the_window_ends_the_episode_in_both(pair: Pair) -> None:
     wait_for(
         lambda: "zero_window_start" in kinds_for(pair.bcc_events, peer), 5.0, "BCC's zero window"
     )
-    time.sleep(1.0)
+    time.sleep(1.0)  # deliberate: the episode lasts a second
     client.start_reading()
     ours, theirs = first_in_both(pair, peer, "zero_window_end")
     assert differences(sample_fields(ours.sample), sample_fields(theirs.sample)) == []

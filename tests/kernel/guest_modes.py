@@ -26,9 +26,10 @@ from kvwatch.errors import BpfError
 from kvwatch.harness.scenario import Scenario, ScenarioClient, abort
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.states import StatePolicy, StreamState, classify
-from tests.collect.bpf.conftest import EventLog, wait_for
+from tests.collect.bpf.conftest import EventLog
 from tests.kernel.conftest import libbpf_log
 from tests.kernel.plan import Combo, Offers, best_send_mode, best_tracepoint_mode
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
 POLICY = StatePolicy(stall_seconds=2.0)
@@ -140,7 +141,7 @@ def test_stalled_client_is_found_but_not_a_slow_or_an_idle_one(
             if sample is not None:
                 seen[kind].add(classify(sample, now, POLICY))
                 slow_zero_windows += kind == "slow" and sample.zero_window
-        time.sleep(0.05)
+        time.sleep(0.05)  # deliberate: a look every 50 ms for WATCH_SECONDS
     stalled = server_side(collector, clients["stalled"])
     idle = server_side(collector, clients["idle"])
     assert stalled is not None and idle is not None
@@ -162,7 +163,7 @@ def test_stalled_client_is_found_but_not_a_slow_or_an_idle_one(
 def test_reading_again_ends_the_zero_window_episode(watched: Watched) -> None:
     client = watched.v4.connect("stalled")
     wait_for_sample(watched.collector, client, "a zero window", 3.0)
-    time.sleep(1.0)
+    time.sleep(1.0)  # deliberate: the episode lasts a second
     resumed_ns = time.monotonic_ns()
     client.start_reading()
     peer = endpoint_of(client)
@@ -208,7 +209,7 @@ def test_a_write_after_the_peers_reset_leaves_no_record(combo: Combo) -> None:
         with pytest.raises(OSError):
             for _ in range(2):
                 server.send(b"data: next token\n\n")
-        time.sleep(0.2)
+        time.sleep(0.2)  # deliberate: room for the record to come back, were it to
         revived = server_side_of(collector, peer)
         assert revived is None, f"a closed socket's record came back: {revived}"
     finally:

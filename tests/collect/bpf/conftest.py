@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -13,24 +12,12 @@ from kvwatch.collect.bpf.layout import KvSockRecord
 from kvwatch.collect.bpf.loader import CollectorSettings
 from kvwatch.harness.scenario import Scenario
 from kvwatch.sockets import SocketSample
+from tests.waiting import wait_for
 
-T = TypeVar("T")
 # Two programs on an attach point run one after the other and read the clock separately; under
 # software emulation milliseconds can pass between them.
 CLOCK_TOLERANCE_NS = 200_000_000
 BYTE_FIELDS = {"saddr", "daddr", "comm", "feeder"}
-
-
-def wait_for(produce: Callable[[], T | None], timeout_seconds: float, what: str) -> T:
-    """Polls `produce` every 20 ms until it returns something truthy."""
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        value = produce()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_seconds}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def server_side(
@@ -120,9 +107,7 @@ def record_fields(record: KvSockRecord) -> dict[str, Any]:
 EPISODE_COUNTERS = ("zero_window_episodes", "sndbuf_full_episodes")
 
 
-def differences(
-    first: dict[str, Any], second: dict[str, Any], episode_slack: int = 0
-) -> list[str]:
+def differences(first: dict[str, Any], second: dict[str, Any], episode_slack: int = 0) -> list[str]:
     """Each field where two views of a record disagree; clocks (`*_ns`) may differ by the
     tolerance, episode counts by `episode_slack`."""
     found = []

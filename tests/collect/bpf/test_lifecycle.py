@@ -14,13 +14,8 @@ import pytest
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.collect.diag.snapshot import take_snapshot
 from kvwatch.harness.scenario import Scenario
-from tests.collect.bpf.conftest import (
-    EventLog,
-    in_zero_window,
-    server_side,
-    wait_for,
-    wait_for_server_side,
-)
+from tests.collect.bpf.conftest import EventLog, in_zero_window, server_side, wait_for_server_side
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
 

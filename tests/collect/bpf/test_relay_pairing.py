@@ -15,7 +15,7 @@ import pytest
 
 from kvwatch.collect.bpf.collector import BpfCollector
 from kvwatch.sockets import Endpoint, SocketSample
-from tests.collect.bpf.conftest import wait_for
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
 

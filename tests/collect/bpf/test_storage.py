@@ -26,9 +26,9 @@ from tests.collect.bpf.conftest import (
     differences,
     in_zero_window,
     record_fields,
-    wait_for,
     wait_for_server_side,
 )
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
 SETTLE_SECONDS = 5.0
@@ -136,8 +136,11 @@ def test_both_layouts_send_the_same_edge_events(layouts: Layouts) -> None:
     client.start_reading()
     wait_for(lambda: "zero_window_end" in logs[1].kinds_for(client.local_port), 5.0, "the end")
     client.close()
-    wait_for(lambda: "close" in logs[1].kinds_for(client.local_port), 5.0, "the close event")
-    time.sleep(0.1)
+    wait_for(
+        lambda: all("close" in log.kinds_for(client.local_port) for log in logs),
+        5.0,
+        "the close event in both layouts",
+    )
     kinds = [log.kinds_for(client.local_port) for log in logs]
     assert kinds[0] == kinds[1]
 

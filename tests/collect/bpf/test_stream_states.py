@@ -14,13 +14,8 @@ from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.harness.scenario import Scenario
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.states import StatePolicy, StreamState, classify
-from tests.collect.bpf.conftest import (
-    EventLog,
-    in_zero_window,
-    server_side,
-    wait_for,
-    wait_for_server_side,
-)
+from tests.collect.bpf.conftest import EventLog, in_zero_window, server_side, wait_for_server_side
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
 POLICY = StatePolicy(stall_seconds=3.0)
@@ -47,7 +42,7 @@ def test_stalled_client_is_found(
     assert first.pending_bytes > 0
     assert first.zero_window_episodes == 1
 
-    time.sleep(0.5)
+    time.sleep(0.5)  # deliberate: half a second later, still a zero window, not yet stalled
     later = server_side(collector, client.local_port)
     assert later is not None
     assert later.pending_bytes >= first.pending_bytes, "the send queue keeps growing or holds"
@@ -79,7 +74,7 @@ def test_slow_draining_reader_and_idle_connection_are_never_stalled(
             if kind == "slow":
                 polls += 1
                 zero_window_polls += sample.zero_window
-        time.sleep(0.05)
+        time.sleep(0.05)  # deliberate: a look every 50 ms over two stall thresholds
     assert slow.bytes_read > 0
     assert StreamState.STALLED not in seen["slow"], seen
     assert zero_window_polls / max(polls, 1) > 0.3, "the slow reader should hit zero windows"
@@ -95,7 +90,7 @@ def test_reading_again_ends_the_zero_window_episode(
     events = EventLog(collector)
     client = scenario.connect("stalled")
     wait_for_server_side(collector, client.local_port, in_zero_window, 1.0, "a zero window")
-    time.sleep(1.0)
+    time.sleep(1.0)  # deliberate: the episode lasts a second
     resumed_ns = time.monotonic_ns()
     client.start_reading()
 

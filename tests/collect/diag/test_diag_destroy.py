@@ -8,11 +8,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
+from pathlib import Path
 
 import pytest
 
 from kvwatch.collect.diag import DestroyResult, DiagClient, destroy_socket
+from tests.waiting import wait_until
 
 from .conftest import SMALL_RCVBUF_BYTES, PairFactory, TcpPair, wait_for_entry
 
@@ -22,6 +23,14 @@ PR_CAPBSET_DROP = 24
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="SOCK_DESTROY needs CAP_NET_ADMIN: run the tests as root"
 )
+
+
+def asleep_in_a_system_call(thread: threading.Thread) -> bool:
+    """The thread sleeps in the kernel, not on a futex (the GIL, a lock): for the writer
+    below, blocked in send()."""
+    task = Path(f"/proc/self/task/{thread.native_id}")
+    state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state == "S" and "futex" not in (task / "wchan").read_text()
 
 
 def _destroy(pair: TcpPair, cookie: int | None = None) -> DestroyResult:
@@ -47,8 +56,8 @@ def test_destroy_wakes_a_blocked_writer_and_resets_the_peer(
     pair.threads.append(writer)
     writer.start()
     wait_for_entry(diag_client, pair, lambda e: e.tcp_info.snd_wnd == 0)
-    time.sleep(0.1)
-    assert writer.is_alive() and not errors  # blocked in send()
+    wait_until(lambda: asleep_in_a_system_call(writer), 2, "the writer blocked in send()")
+    assert writer.is_alive() and not errors
 
     local, remote, cookie = pair.server_local, pair.server_remote, pair.server_cookie
     assert destroy_socket(local, remote, cookie) is DestroyResult.DESTROYED

@@ -38,7 +38,7 @@ else:  # Python 3.10
 
 from kvwatch.collect.bpf.layout import MAX_FILTER_PORTS
 from kvwatch.collect.bpf.loader import SEND_MODES, CollectorSettings
-from kvwatch.collect.table import Backend
+from kvwatch.collect.collectors import Backend
 from kvwatch.errors import ConfigError, quoted
 from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StatePolicy
 

@@ -19,7 +19,7 @@ import torch
 from bench.common import write_result
 from kvwatch.engine.attention import build_paged_batch
 from kvwatch.engine.config import DEFAULT_MODEL_SIZE, EngineConfig
-from kvwatch.engine.core import Engine
+from kvwatch.engine.engine import Engine
 from kvwatch.engine.kv_cache import KVCacheManager
 from kvwatch.engine.requests import GenerationRequest
 from kvwatch.engine.runner import Sampling

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from bench.token_load import TokenLoad, TokenPump
 from kvwatch.collect.bpf.collector import BpfCollector
 from kvwatch.collect.bpf.loader import BpfPrograms, CollectorSettings
-from kvwatch.daemon.core import BPF_SCAN_SECONDS
+from kvwatch.daemon.daemon import BPF_SCAN_SECONDS
 
 PUMP_PAIRS = 120
 PUMP_PHASE_SECONDS = 0.25

@@ -8,7 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 from kvwatch.api.state import AgentState
 from kvwatch.collect.bpf.runstats import program_run_stats
-from kvwatch.collect.table import needed_sockets
+from kvwatch.collect.collectors import needed_sockets
 
 
 def bpf_metrics(state: AgentState) -> Iterator[Metric]:

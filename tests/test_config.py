@@ -11,7 +11,7 @@ from typing import get_origin, get_type_hints
 import pytest
 
 from kvwatch.collect.bpf.loader import SEND_MODES
-from kvwatch.collect.table import BACKENDS
+from kvwatch.collect.collectors import BACKENDS
 from kvwatch.config import (
     MAX_CONFIG_BYTES,
     RANGES,

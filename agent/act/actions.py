@@ -16,7 +16,7 @@ from kvwatch.act.reset import Reset
 from kvwatch.act.tally import ActionTally
 from kvwatch.collect.diag.kernel_view import CheckedViews
 from kvwatch.errors import KvwatchError
-from kvwatch.hookserver.server import HookServer
+from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.streams.relay import Cancels
 from kvwatch.streams.view import StreamView
 

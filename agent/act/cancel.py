@@ -8,7 +8,7 @@ from typing import Any
 
 from kvwatch.act.episodes import Unfinished
 from kvwatch.act.tally import ActionTally
-from kvwatch.hookserver.server import HookServer
+from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.streams.relay import Cancels
 from kvwatch.streams.view import StreamView
 

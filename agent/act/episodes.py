@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvwatch.collect.table import ConnectionKey, connection_key
+from kvwatch.collect.collectors import ConnectionKey, connection_key
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.stall_timers import episode_of
 

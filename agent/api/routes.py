@@ -16,7 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvwatch.api.state import AgentState
-from kvwatch.collect.table import TableStatus, needed_sockets
+from kvwatch.collect.collectors import TableStatus, needed_sockets
 from kvwatch.sockets import Endpoint
 from kvwatch.streams.timeline import connection_id
 from kvwatch.streams.view import socket_json

@@ -9,8 +9,8 @@ from typing import Any, Protocol
 
 from kvwatch.act.tally import ActionTally
 from kvwatch.collect.bpf.collector import BpfCollector
+from kvwatch.collect.collectors import OpenedCollector, TableStatus
 from kvwatch.collect.gpu import GpuInventory
-from kvwatch.collect.table import OpenedCollector, TableStatus
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.states import StatePolicy

@@ -21,7 +21,7 @@ from kvwatch.engine.config import (
 )
 
 if TYPE_CHECKING:
-    from kvwatch.engine.server import EngineServer
+    from kvwatch.engine.engine_server import EngineServer
 
 # Options that configure the HTTP server and the hook; all others are EngineConfig fields.
 _SERVER_OPTIONS = ("host", "port", "sndbuf_bytes", "kvwatch_socket", "no_kvwatch_hook", "log_level")
@@ -172,8 +172,8 @@ def command(**options: Any) -> None:
     resets the client's connection. Without an agent it runs normally. Stops on Ctrl-C/SIGTERM.
     """
     # torch and uvicorn load only when the engine runs, so `kvwatch --help` stays quick.
-    from kvwatch.engine.core import Engine
-    from kvwatch.engine.server import EngineServer, attach_hook
+    from kvwatch.engine.engine import Engine
+    from kvwatch.engine.engine_server import EngineServer, attach_hook
 
     logging.basicConfig(
         level=options["log_level"].upper(),

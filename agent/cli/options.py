@@ -11,7 +11,7 @@ import click
 from click.core import ParameterSource
 
 from kvwatch.collect.bpf.loader import SEND_MODES
-from kvwatch.collect.table import BACKENDS
+from kvwatch.collect.collectors import BACKENDS
 from kvwatch.config import RANGES, AgentConfig, load_config, parse_flag
 from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StreamState
 from kvwatch.tools.client import DEFAULT_AGENT_URL, agent_url

@@ -11,11 +11,11 @@ import socket
 
 import click
 
+from kvwatch.api.api_server import ApiServer
 from kvwatch.api.routes import build_app
-from kvwatch.api.server import ApiServer
 from kvwatch.cli.options import collector_options, setting_option
 from kvwatch.config import load_config
-from kvwatch.daemon.core import Daemon
+from kvwatch.daemon.daemon import Daemon
 from kvwatch.daemon.logrepeat import RepeatFilter
 from kvwatch.daemon.preflight import check_before_start, raise_descriptor_limit
 from kvwatch.tools.sdnotify import Watchdog, notify

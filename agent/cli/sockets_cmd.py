@@ -19,7 +19,7 @@ from kvwatch.cli.options import (
     state_filter_option,
 )
 from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
-from kvwatch.collect.table import OpenedCollector, open_collector
+from kvwatch.collect.collectors import OpenedCollector, open_collector
 from kvwatch.sockets import Endpoint
 from kvwatch.streams.states import StatePolicy
 from kvwatch.streams.view import socket_json

@@ -19,8 +19,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kvwatch.engine.connection import TRANSPORT_EXTENSION, reset_connection
-from kvwatch.engine.core import Engine
+from kvwatch.engine.engine import Engine
+from kvwatch.engine.http_connection import TRANSPORT_EXTENSION, reset_connection
 from kvwatch.engine.openai_api import (
     ApiError,
     ParsedRequest,

@@ -1,6 +1,6 @@
 """The OpenAI-compatible surface: request parsing and validation, response and chunk bodies.
 
-Pure functions on JSON values; the HTTP plumbing is in `kvwatch.engine.server`.
+Pure functions on JSON values; the HTTP plumbing is in `kvwatch.engine.engine_server`.
 Deliberate differences from OpenAI: temperature defaults to 0 (greedy, deterministic with the
 engine's seed), `n` must be 1, and unknown fields are ignored.
 """

@@ -13,7 +13,7 @@ import struct
 from pathlib import Path
 
 from kvwatch.errors import ConfigError, PrivilegeError
-from kvwatch.hookserver.connection import PeerCredentials
+from kvwatch.hookserver.engine_connection import PeerCredentials
 
 SOCKET_MODE = 0o660
 DIRECTORY_MODE = 0o755

@@ -7,8 +7,8 @@ import time
 from typing import Any, Protocol
 
 from kvwatch.collect.bpf.loader import CollectorSettings
+from kvwatch.collect.collectors import MergedCollector, open_collector
 from kvwatch.collect.gpu import GpuInventory
-from kvwatch.collect.table import MergedCollector, open_collector
 from kvwatch.errors import KvwatchError
 from kvwatch.streams.states import StatePolicy
 from kvwatch.streams.view import socket_json

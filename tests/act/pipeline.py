@@ -1,5 +1,5 @@
 """The decide and act steps as the daemon runs them for a stalled socket
-(kvwatch.daemon.core.Daemon._on_stalled), with their real collaborators, for tests."""
+(kvwatch.daemon.daemon.Daemon._on_stalled), with their real collaborators, for tests."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.procfs import Procfs
 from kvwatch.config import PolicyConfig
 from kvwatch.hook import CancelHandler, CancelOutcome
-from kvwatch.hookserver.server import HookServer
+from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import RelayIndex

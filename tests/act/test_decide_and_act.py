@@ -27,8 +27,8 @@ from kvwatch.act.audit import AuditLog
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.procfs import Procfs
 from kvwatch.config import PolicyConfig
+from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookserver.registry import EngineStream
-from kvwatch.hookserver.server import HookServer
 from kvwatch.policy.decide import RECHECK_SECONDS
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.join import Joiner

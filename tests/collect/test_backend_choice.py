@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import kvwatch.collect.table
+import kvwatch.collect.collectors
 from kvwatch.collect.bpf.bcc import HEADERS_ENV, SYSTEM_PYTHON_DIRS, kernel_headers
-from kvwatch.collect.table import auto_backend
+from kvwatch.collect.collectors import auto_backend
 
 
 def printed_by(probe: str) -> list[str]:
@@ -38,7 +38,7 @@ def test_with_btf_auto_keeps_core_and_says_bcc_is_not_needed() -> None:
 def test_without_btf_auto_picks_bcc_where_headers_are_installed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kvwatch.collect.table, "BTF_PATH", tmp_path / "no-btf")
+    monkeypatch.setattr(kvwatch.collect.collectors, "BTF_PATH", tmp_path / "no-btf")
     monkeypatch.setenv(HEADERS_ENV, str(header_tree(tmp_path / "headers")))
     backend, why = auto_backend()
     assert backend == "bcc"
@@ -48,7 +48,7 @@ def test_without_btf_auto_picks_bcc_where_headers_are_installed(
 def test_without_btf_or_headers_auto_falls_back_to_diag_and_says_what_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kvwatch.collect.table, "BTF_PATH", tmp_path / "no-btf")
+    monkeypatch.setattr(kvwatch.collect.collectors, "BTF_PATH", tmp_path / "no-btf")
     monkeypatch.setenv(HEADERS_ENV, str(tmp_path / "empty"))
     if kernel_headers() is not None:
         pytest.fail(f"this machine has kernel headers ({kernel_headers()}): the test needs none")

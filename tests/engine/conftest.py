@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from kvwatch.engine.config import EngineConfig
-from kvwatch.engine.core import Engine
-from kvwatch.engine.server import EngineServer
+from kvwatch.engine.engine import Engine
+from kvwatch.engine.engine_server import EngineServer
 
 STALLED_RCVBUF_BYTES = 4096
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvwatch.engine.core import Engine
+from kvwatch.engine.engine import Engine
 from kvwatch.engine.requests import Completion, GenerationRequest, RequestHandle
 from kvwatch.hookwire.types import CancelOutcome
 from tests.waiting import wait_until

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from kvwatch.engine.engine_server import EngineServer
 from kvwatch.engine.metrics import RequestSnapshot
-from kvwatch.engine.server import EngineServer
 from tests.engine.conftest import StalledClient
 from tests.waiting import wait_until
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvwatch.engine.core import Engine
-from kvwatch.engine.server import EngineServer, attach_hook
+from kvwatch.engine.engine import Engine
+from kvwatch.engine.engine_server import EngineServer, attach_hook
 from kvwatch.hookwire.protocol import (
     Cancel,
     Cancelled,

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
+from kvwatch.engine.engine_server import EngineServer
 from kvwatch.engine.requests import GenerationRequest
-from kvwatch.engine.server import EngineServer
 from tests.engine.conftest import StalledClient
 from tests.waiting import wait_until
 

@@ -10,8 +10,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvwatch.api.state import AgentState
 from kvwatch.exporters.agent import agent_metrics
+from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookserver.registry import COUNTER_NAMES
-from kvwatch.hookserver.server import HookServer
 from kvwatch.streams.timeline import Timelines
 
 

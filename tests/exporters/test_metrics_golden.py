@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from kvwatch.config import load_config
-from kvwatch.daemon.core import Daemon
+from kvwatch.daemon.daemon import Daemon
 from kvwatch.hook import CancelOutcome, EngineHook
 from tests.collect.conftest import GIB, FakeGpu, FakeNvml
 from tests.hookserver.conftest import ENGINE_INFO, run_async, wait_until

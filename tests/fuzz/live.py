@@ -12,7 +12,7 @@ from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from kvwatch.errors import ProtocolError
-from kvwatch.hookserver.server import HookServer
+from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookwire.protocol import (
     Cancelled,
     Close,

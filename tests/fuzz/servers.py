@@ -17,8 +17,8 @@ from typing import Any, cast
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
+from kvwatch.api.api_server import ApiServer
 from kvwatch.api.routes import build_app
-from kvwatch.api.server import ApiServer
 from kvwatch.api.state import AgentState
 from kvwatch.daemon.preflight import bind_listen_address
 from kvwatch.streams.states import StatePolicy

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from kvwatch.hook import CancelHandler, CancelOutcome, EngineHook, EngineInfo
+from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookserver.registry import EngineStream
-from kvwatch.hookserver.server import HookServer
 from kvwatch.hookwire.protocol import LineFramer, Message, encode
 from tests.waiting import wait_until_async
 

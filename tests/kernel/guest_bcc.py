@@ -22,7 +22,7 @@ from kvwatch.collect.bpf.bcc import BCC_SEND_MODES, BCC_TRACEPOINT_MODE, bcc_sta
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent, record_to_sample
 from kvwatch.collect.bpf.layout import KvSockRecord
 from kvwatch.collect.bpf.loader import CollectorSettings
-from kvwatch.collect.table import auto_backend
+from kvwatch.collect.collectors import auto_backend
 from kvwatch.errors import BpfError
 from kvwatch.harness.scenario import Scenario, ScenarioClient
 from kvwatch.sockets import Endpoint, SocketSample

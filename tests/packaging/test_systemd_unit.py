@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.api import server as api_server
+from kvwatch.api import api_server
 from kvwatch.config import load_config
-from kvwatch.hookserver import server as hook_server
+from kvwatch.hookserver import hook_server
 from tests.packaging.conftest import AGENT_CAPABILITIES, PACKAGING, require_tool
 
 UNIT = PACKAGING / "systemd" / "kvwatch.service"

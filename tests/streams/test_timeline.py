@@ -14,7 +14,7 @@ import pytest
 
 from kvwatch.api.routes import build_app
 from kvwatch.config import load_config
-from kvwatch.daemon.core import Daemon
+from kvwatch.daemon.daemon import Daemon
 from kvwatch.hook import CancelOutcome, EngineHook
 from kvwatch.streams import timeline
 from kvwatch.streams.timeline import Timelines

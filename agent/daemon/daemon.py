@@ -20,10 +20,7 @@ from kvwatch.act.record import Recorder
 from kvwatch.act.tally import ActionTally
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.collect.bpf.maps import EventRing
-from kvwatch.collect.gpu import GpuInventory, NvmlApi
-from kvwatch.collect.listeners import ListeningPorts
-from kvwatch.collect.procfs import Procfs
-from kvwatch.collect.table import (
+from kvwatch.collect.collectors import (
     MergedCollector,
     OpenedCollector,
     TableStatus,
@@ -31,11 +28,14 @@ from kvwatch.collect.table import (
     needed_sockets,
     open_collector,
 )
+from kvwatch.collect.gpu import GpuInventory, NvmlApi
+from kvwatch.collect.listeners import ListeningPorts
+from kvwatch.collect.procfs import Procfs
 from kvwatch.config import AgentConfig
 from kvwatch.exporters import agent_registry
 from kvwatch.exporters.durations import EpisodeDurations
+from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookserver.registry import EngineStream
-from kvwatch.hookserver.server import HookServer
 from kvwatch.policy.decide import Decider
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.join import Joiner

@@ -15,7 +15,7 @@ from typing import Any
 from kvwatch import __version__
 from kvwatch.accept import AcceptLoop
 from kvwatch.errors import ConfigError
-from kvwatch.hookserver.connection import EngineConnection, PeerCredentials
+from kvwatch.hookserver.engine_connection import EngineConnection, PeerCredentials
 from kvwatch.hookserver.listen import bind_listening_socket, peer_credentials, remove_socket_file
 from kvwatch.hookserver.registry import (
     COUNTER_NAMES,

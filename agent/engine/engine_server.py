@@ -15,8 +15,8 @@ import uvicorn
 
 from kvwatch.engine.app import StreamObserver, build_app
 from kvwatch.engine.config import DEFAULT_SNDBUF_BYTES
-from kvwatch.engine.connection import protocol_class
-from kvwatch.engine.core import Engine
+from kvwatch.engine.engine import Engine
+from kvwatch.engine.http_connection import protocol_class
 from kvwatch.errors import ConfigError
 from kvwatch.hook import EngineHook, EngineInfo
 
@@ -75,7 +75,7 @@ class EngineServer:
     `run`/`start_in_thread` on: it starts both, and stops both when the server stops.
 
     `sndbuf_bytes` is the send buffer of each accepted connection (see
-    `kvwatch.engine.connection`); `observer` is the kvwatch hook, or None to run without one.
+    `kvwatch.engine.http_connection`); `observer` is the kvwatch hook, or None to run without one.
     """
 
     def __init__(

@@ -13,9 +13,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Route
 
-from kvwatch.api import server as api_server
+from kvwatch.api import api_server
+from kvwatch.api.api_server import ApiServer
 from kvwatch.api.routes import JSONResponse
-from kvwatch.api.server import ApiServer
 from kvwatch.daemon.logrepeat import RepeatFilter
 from kvwatch.daemon.preflight import bind_listen_address
 from tests.hookserver.conftest import run_async, wait_until

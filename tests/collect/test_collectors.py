@@ -1,4 +1,4 @@
-"""The socket table's pure parts (kvwatch.collect.table) on hand-made samples: which samples
+"""The socket table's pure parts (kvwatch.collect.collectors) on hand-made samples: which samples
 name one connection (`connection_key`), what a BPF sample keeps of the sock_diag bootstrap
 sample that saw the same socket first (`carry_bootstrap`: the older clocks, so a socket that
 was stalled before the agent started is not timed from zero again), and the --max-sockets
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvwatch.collect.table import (
+from kvwatch.collect.collectors import (
     TableStatus,
     carry_bootstrap,
     connection_key,

@@ -13,7 +13,7 @@ import pytest
 
 from kvwatch.errors import ConfigError
 from kvwatch.hook import CancelOutcome, EngineHook
-from kvwatch.hookserver.server import EngineStream, HookServer
+from kvwatch.hookserver.hook_server import EngineStream, HookServer
 from kvwatch.hookwire.protocol import (
     Cancel,
     Cancelled,

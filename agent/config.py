@@ -40,7 +40,7 @@ from kvwatch.collect.bpf.layout import MAX_FILTER_PORTS
 from kvwatch.collect.bpf.loader import SEND_MODES, CollectorSettings
 from kvwatch.collect.collectors import Backend
 from kvwatch.errors import ConfigError, quoted
-from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StatePolicy
+from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StallThresholds
 
 Mode = Literal["observe", "enforce"]
 Action = Literal["cancel", "reset"]
@@ -94,9 +94,9 @@ class PolicyConfig:
     def enforce(self) -> bool:
         return self.mode == "enforce"
 
-    def state_policy(self) -> StatePolicy:
+    def stall_thresholds(self) -> StallThresholds:
         """The judge's thresholds (kvwatch.streams.states), from the same settings."""
-        return StatePolicy(
+        return StallThresholds(
             stall_seconds=self.stall_seconds,
             min_reader_bytes_per_second=self.min_reader_bytes_per_second,
         )

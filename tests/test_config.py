@@ -233,7 +233,7 @@ def test_the_effective_config_shows_as_plain_data_and_loads_back() -> None:
 
 def test_the_stream_state_threshold_follows_the_policy() -> None:
     policy = load_config(None, {"KVWATCH_POLICY_STALL_SECONDS": "1.5"}, {}).policy
-    assert policy.state_policy().stall_seconds == 1.5
+    assert policy.stall_thresholds().stall_seconds == 1.5
     assert not policy.enforce
     assert PolicyConfig(mode="enforce").enforce
 

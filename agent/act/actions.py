@@ -59,7 +59,9 @@ class Actions:
             detail = f"the kernel's view of the socket could not be read: {exc}"
             return KernelCheck(False, "unconfirmed", detail, sample, view.judgement, None)
         now_ns = time.monotonic_ns()
-        return check(sample, view.judgement, entry, observed_ns, now_ns, view.policy, self.checked)
+        return check(
+            sample, view.judgement, entry, observed_ns, now_ns, view.thresholds, self.checked
+        )
 
     def close(self) -> None:
         self.worker.close()

@@ -90,7 +90,7 @@ class Executor:
             confirmed.sample,
             view.engine,
             view.now_ns,
-            view.policy,
+            view.thresholds,
             confirmed.judgement,
             view.relay,
         )

@@ -15,7 +15,7 @@ from typing import Any
 from kvwatch.collect.diag.kernel_view import CheckedViews, heard_ns
 from kvwatch.collect.diag.wire import DiagEntry
 from kvwatch.sockets import SocketSample, tcp_state_name
-from kvwatch.streams.states import StallJudgement, StatePolicy, judge
+from kvwatch.streams.states import StallJudgement, StallThresholds, judge
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def check(
     entry: DiagEntry | None,
     observed_ns: int,
     now_ns: int,
-    policy: StatePolicy,
+    thresholds: StallThresholds,
     checked: CheckedViews,
 ) -> KernelCheck:
     """Whether the kernel's view of the socket (`entry`, looked up at `observed_ns`; None
@@ -87,7 +87,7 @@ def check(
             False, "socket_gone", "the kernel has no such socket any more", sample, judgement, None
         )
     kernel = checked.refresh(sample, entry, observed_ns)
-    verdict = judge(kernel, now_ns, policy)
+    verdict = judge(kernel, now_ns, thresholds)
     evidence = kernel_evidence(entry, observed_ns, now_ns)
     if verdict.stalled:
         return KernelCheck(True, "", "", kernel, verdict, evidence)

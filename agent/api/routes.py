@@ -39,7 +39,7 @@ def build_app(state: AgentState, registry: CollectorRegistry) -> Starlette:
 
     async def sockets(_: Request) -> JSONResponse:
         now_ns = time.monotonic_ns()
-        policy = state.state_policy
+        policy = state.stall_thresholds
         return JSONResponse([socket_json(s, now_ns, policy) for s in state.samples()])
 
     async def streams(_: Request) -> JSONResponse:

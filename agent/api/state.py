@@ -13,7 +13,7 @@ from kvwatch.collect.collectors import OpenedCollector, TableStatus
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.sockets import SocketSample
-from kvwatch.streams.states import StatePolicy
+from kvwatch.streams.states import StallThresholds
 from kvwatch.streams.timeline import Timeline
 from kvwatch.streams.view import StreamView
 
@@ -55,7 +55,7 @@ class AgentState(Protocol):
         """The policy mode: "observe" or "enforce"."""
 
     @property
-    def state_policy(self) -> StatePolicy: ...
+    def stall_thresholds(self) -> StallThresholds: ...
 
     @property
     def started_ns(self) -> int: ...

@@ -21,7 +21,7 @@ from kvwatch.cli.options import (
 from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
 from kvwatch.collect.collectors import OpenedCollector, open_collector
 from kvwatch.sockets import Endpoint
-from kvwatch.streams.states import StatePolicy
+from kvwatch.streams.states import StallThresholds
 from kvwatch.streams.view import socket_json
 from kvwatch.tools.client import AgentUnreachableError, get_json, reading_answer
 from kvwatch.tools.tables import sockets_table
@@ -100,7 +100,7 @@ def command(
         opened = open_collector(
             config.collector.settings(), config.collector.backend, config.path.procfs
         )
-        source = KernelRows(opened, config.policy.state_policy())
+        source = KernelRows(opened, config.policy.stall_thresholds())
         time.sleep(settle)
     announce_collector(source.note)
     try:
@@ -143,15 +143,15 @@ def _filtered(rows: list[dict[str, Any]], states: tuple[str, ...]) -> list[dict[
 class KernelRows:
     """This process's own collector; owns it."""
 
-    def __init__(self, opened: OpenedCollector, policy: StatePolicy) -> None:
+    def __init__(self, opened: OpenedCollector, thresholds: StallThresholds) -> None:
         self.opened = opened
-        self.policy = policy
+        self.thresholds = thresholds
         self.note = f"view: this process, {opened.note}"
 
     def rows(self) -> list[dict[str, Any]]:
         samples = self.opened.collector.samples()
         now_ns = time.monotonic_ns()
-        return [socket_json(sample, now_ns, self.policy) for sample in samples]
+        return [socket_json(sample, now_ns, self.thresholds) for sample in samples]
 
     def reading(self) -> AbstractContextManager[None]:
         """Rows this process built itself need no guard."""

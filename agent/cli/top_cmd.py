@@ -106,7 +106,7 @@ def command(
             config.collector.settings(),
             config.collector.backend,
             config.path.procfs,
-            config.policy.state_policy(),
+            config.policy.stall_thresholds(),
         )
         announce_collector(standalone_source.note)
         source = standalone_source

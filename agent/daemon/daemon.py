@@ -60,7 +60,7 @@ class Daemon:
 
     def __init__(self, config: AgentConfig, nvml: NvmlApi | None = None) -> None:
         self.config = config
-        self.state_policy = config.policy.state_policy()
+        self.stall_thresholds = config.policy.stall_thresholds()
         self.procfs = Procfs(config.path.procfs)
         self.gpus = GpuInventory(nvml)
         self.joiner = Joiner(self.procfs, self.gpus)
@@ -76,7 +76,7 @@ class Daemon:
         self.listeners = ListeningPorts(config.path.procfs)
         self.executor = Executor(self.actions, self.recorder, Decider(config.policy), self.joiner)
         self.episodes = Episodes()
-        self.stall_timers = StallTimers(self.state_policy, self._read_sample, self._on_stalled)
+        self.stall_timers = StallTimers(self.stall_thresholds, self._read_sample, self._on_stalled)
         self.durations = EpisodeDurations()
         self.registry = agent_registry(self, self.durations)
         self.opened: OpenedCollector | None = None
@@ -250,7 +250,7 @@ class Daemon:
         views = []
         for sample in self._samples.values():
             engine, relay = self.behind(sample, index)
-            view = self.joiner.view(sample, engine, now_ns, self.state_policy, relay=relay)
+            view = self.joiner.view(sample, engine, now_ns, self.stall_thresholds, relay=relay)
             failed = self.episodes.failed(sample)
             views.append(dataclasses.replace(view, action_failed=failed) if failed else view)
         return views
@@ -299,7 +299,7 @@ class Daemon:
         )
         if engine is None:
             return None
-        view = self.joiner.view(sample, engine, time.monotonic_ns(), self.state_policy)
+        view = self.joiner.view(sample, engine, time.monotonic_ns(), self.stall_thresholds)
         return view.to_json()
 
     def _observe(self, sample: SocketSample, now_ns: int) -> None:
@@ -317,7 +317,7 @@ class Daemon:
             self._note_stalled(sample, judgement)
         engine, relay = self.behind(sample)
         now_ns = time.monotonic_ns()
-        view = self.joiner.view(sample, engine, now_ns, self.state_policy, judgement, relay)
+        view = self.joiner.view(sample, engine, now_ns, self.stall_thresholds, judgement, relay)
         return await self.executor.on_stalled(episode, view)
 
     def _note_stalled(self, sample: SocketSample, judgement: StallJudgement) -> None:
@@ -328,7 +328,7 @@ class Daemon:
                 time.monotonic_ns(),
                 "stalled",
                 required_seconds=round(judgement.required_ns / 1e9, 3),
-                evidence=judgement.evidence(self.state_policy),
+                evidence=judgement.evidence(self.stall_thresholds),
             )
 
     def _stall_ended(self, episode: Episode | None, now_ns: int) -> None:

@@ -10,7 +10,7 @@ from kvwatch.collect.procfs import ProcessInfo, Procfs
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.relay import RelayLink
-from kvwatch.streams.states import StallJudgement, StatePolicy, judge, state_of
+from kvwatch.streams.states import StallJudgement, StallThresholds, judge, state_of
 from kvwatch.streams.view import StreamView
 
 PROCESS_CACHE_SECONDS = 10.0
@@ -51,7 +51,7 @@ class Joiner:
         sample: SocketSample,
         engine: EngineStream | None,
         now_ns: int,
-        policy: StatePolicy,
+        thresholds: StallThresholds,
         judgement: StallJudgement | None = None,
         relay: RelayLink | None = None,
     ) -> StreamView:
@@ -59,12 +59,12 @@ class Joiner:
         already has one (the stall timers), else it is judged here; `relay` the link through
         which `engine` was found, for a proxy's client socket."""
         pid = engine.engine_pid if engine is not None else sample.pid
-        verdict = judgement if judgement is not None else judge(sample, now_ns, policy)
+        verdict = judgement if judgement is not None else judge(sample, now_ns, thresholds)
         return StreamView(
             sample=sample,
             judgement=verdict,
-            state=state_of(sample, verdict, now_ns, policy),
-            policy=policy,
+            state=state_of(sample, verdict, now_ns, thresholds),
+            thresholds=thresholds,
             engine=engine,
             process=self.process(pid),
             gpus=self.gpu_use(pid),

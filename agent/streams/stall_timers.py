@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from kvwatch.sockets import SocketSample
-from kvwatch.streams.states import StallJudgement, StatePolicy, judge
+from kvwatch.streams.states import StallJudgement, StallThresholds, judge
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,10 @@ class StallTimers:
     with it, and never after; a handler that raised has not finished its episode; a socket
     observed while its check runs is looked at again when that check ends."""
 
-    def __init__(self, policy: StatePolicy, read: SampleReader, on_stalled: StallHandler) -> None:
-        self.policy = policy
+    def __init__(
+        self, thresholds: StallThresholds, read: SampleReader, on_stalled: StallHandler
+    ) -> None:
+        self.thresholds = thresholds
         self.read = read
         self.on_stalled = on_stalled
         self._timers: dict[int, asyncio.TimerHandle] = {}
@@ -49,7 +51,7 @@ class StallTimers:
     def observe(self, sample: SocketSample) -> None:
         """A fresh look at a socket (an edge event or a scan): arm, move or drop its timer."""
         now_ns = time.monotonic_ns()
-        judgement = judge(sample, now_ns, self.policy)
+        judgement = judge(sample, now_ns, self.thresholds)
         if not judgement.on_the_way:
             self.forget(sample.key)
             return
@@ -87,7 +89,7 @@ class StallTimers:
         try:
             sample = await self.read(key)
             now_ns = time.monotonic_ns()
-            judgement = judge(sample, now_ns, self.policy) if sample is not None else None
+            judgement = judge(sample, now_ns, self.thresholds) if sample is not None else None
             if sample is None or judgement is None or not judgement.on_the_way:
                 self.forget(key)
                 return

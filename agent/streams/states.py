@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwatch.collect.probes import NS_PER_SECOND, answer_after_ns, probe_base_ns
-from kvwatch.errors import ConfigError
 from kvwatch.sockets import SocketSample
 
 DEFAULT_MIN_READER_BYTES_PER_SECOND = 4096
@@ -51,31 +50,17 @@ class StreamState(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class StatePolicy:
-    """What makes a stall. `stall_seconds` is the shortest stall ever acted on;
-    `min_reader_bytes_per_second` the reader rate that is guaranteed never to be called
-    stalled; `slow_fill` the send-queue fill that counts as "mostly full". A zero-window
-    episode that ended less than `stall_seconds` ago still marks a stream slow."""
+class StallThresholds:
+    """The judge's thresholds: what makes a stall. `stall_seconds` is the shortest stall
+    ever acted on; `min_reader_bytes_per_second` the reader rate that is guaranteed never to
+    be called stalled; `slow_fill` the send-queue fill that counts as "mostly full". A
+    zero-window episode that ended less than `stall_seconds` ago still marks a stream slow.
+    Built from the `[policy]` settings by `PolicyConfig.stall_thresholds()`, which checks
+    their bounds (kvwatch.config.RANGES): the one place they are checked."""
 
     stall_seconds: float = 3.0
     min_reader_bytes_per_second: int = DEFAULT_MIN_READER_BYTES_PER_SECOND
     slow_fill: float = 0.75
-
-    def __post_init__(self) -> None:
-        if not self.stall_seconds > 0:
-            raise ConfigError(
-                f"stall_seconds must be > 0, got {self.stall_seconds}",
-                "use a threshold such as 3 (seconds)",
-            )
-        if self.min_reader_bytes_per_second < 1:
-            raise ConfigError(
-                f"min_reader_bytes_per_second must be >= 1, got {self.min_reader_bytes_per_second}",
-                f"use a rate such as {DEFAULT_MIN_READER_BYTES_PER_SECOND} (bytes per second)",
-            )
-        if not 0 < self.slow_fill <= 1:
-            raise ConfigError(
-                f"slow_fill must be in (0, 1], got {self.slow_fill}", "use a fraction such as 0.75"
-            )
 
     @property
     def stall_ns(self) -> int:
@@ -147,31 +132,31 @@ class StallJudgement:
     def stalled_seconds(self, now_ns: int) -> float:
         return max(0.0, (now_ns - self.since_ns) / NS_PER_SECOND) if self.since_ns else 0.0
 
-    def evidence(self, policy: StatePolicy) -> dict[str, Any]:
+    def evidence(self, thresholds: StallThresholds) -> dict[str, Any]:
         """What the verdict rests on, for `sockets --json`, the audit log and `explain`."""
         if not self.since_ns:
             return {"basis": self.basis}
         return {
             "basis": self.basis,
-            "stall_seconds": policy.stall_seconds,
+            "stall_seconds": thresholds.stall_seconds,
             "proof": self.proof or None,
-            "min_reader_bytes_per_second": policy.min_reader_bytes_per_second,
+            "min_reader_bytes_per_second": thresholds.min_reader_bytes_per_second,
             "peer_buffer_bytes": self.buffer_bytes,
-            "drain_seconds": round(self.buffer_bytes / policy.min_reader_bytes_per_second, 3),
+            "drain_seconds": round(self.buffer_bytes / thresholds.min_reader_bytes_per_second, 3),
         }
 
 
 NOT_STALLING = StallJudgement(0, 0, False, "", 0, "none")
 
 
-def judge(sample: SocketSample, now_ns: int, policy: StatePolicy) -> StallJudgement:
+def judge(sample: SocketSample, now_ns: int, thresholds: StallThresholds) -> StallJudgement:
     """The one judge of a stall (see `StallJudgement` and docs/collector.md)."""
     since = stall_since_ns(sample)
     if not since:
         return NOT_STALLING
-    threshold_ns = since + policy.stall_ns
+    threshold_ns = since + thresholds.stall_ns
     buffer_bytes = peer_buffer_bytes(sample)
-    rate = policy.min_reader_bytes_per_second
+    rate = thresholds.min_reader_bytes_per_second
     drained_ns = sample.progress_ns + buffer_bytes * NS_PER_SECOND // rate
     # Probes (zero window) or retransmissions (no ACK) back off from the newest answer, with
     # the kernel's backoff then; before any answer, from the episode's start.
@@ -210,12 +195,12 @@ def judge(sample: SocketSample, now_ns: int, policy: StatePolicy) -> StallJudgem
     )
 
 
-def classify(sample: SocketSample, now_ns: int, policy: StatePolicy) -> StreamState:
-    return state_of(sample, judge(sample, now_ns, policy), now_ns, policy)
+def classify(sample: SocketSample, now_ns: int, thresholds: StallThresholds) -> StreamState:
+    return state_of(sample, judge(sample, now_ns, thresholds), now_ns, thresholds)
 
 
 def state_of(
-    sample: SocketSample, judgement: StallJudgement, now_ns: int, policy: StatePolicy
+    sample: SocketSample, judgement: StallJudgement, now_ns: int, thresholds: StallThresholds
 ) -> StreamState:
     """The stream state, given the judge's verdict on the same sample."""
     if sample.sender_closed:
@@ -226,8 +211,8 @@ def state_of(
         return StreamState.ZERO_WINDOW
     recent_zero_window = (
         sample.last_zero_window_end_ns != 0
-        and now_ns - sample.last_zero_window_end_ns < policy.stall_ns
+        and now_ns - sample.last_zero_window_end_ns < thresholds.stall_ns
     )
-    if sample.sndbuf_full or sample.sndbuf_fill >= policy.slow_fill or recent_zero_window:
+    if sample.sndbuf_full or sample.sndbuf_fill >= thresholds.slow_fill or recent_zero_window:
         return StreamState.SLOW
     return StreamState.HEALTHY

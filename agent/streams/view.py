@@ -13,27 +13,27 @@ from kvwatch.collect.procfs import ProcessInfo
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.relay import RelayLink
-from kvwatch.streams.states import StallJudgement, StatePolicy, StreamState, judge, state_of
+from kvwatch.streams.states import StallJudgement, StallThresholds, StreamState, judge, state_of
 
 
 def socket_json(
     sample: SocketSample,
     now_ns: int,
-    policy: StatePolicy,
+    thresholds: StallThresholds,
     judgement: StallJudgement | None = None,
 ) -> dict[str, Any]:
     """One socket as the `kvwatch sockets --json` contract spells it (plus a few extras).
     `stalled_seconds` is how long every stall condition has held, `stall_required_seconds`
     how long they must hold before the socket is `stalled` (null when they do not hold), and
     `stall_evidence` what the judge based that on (docs/collector.md)."""
-    verdict = judgement if judgement is not None else judge(sample, now_ns, policy)
+    verdict = judgement if judgement is not None else judge(sample, now_ns, thresholds)
     return {
         "local": str(sample.local),
         "remote": str(sample.remote),
         "pid": sample.pid,
         "comm": sample.comm,
         "orphaned": sample.sender_closed and sample.pid == 0,
-        "state": state_of(sample, verdict, now_ns, policy).value,
+        "state": state_of(sample, verdict, now_ns, thresholds).value,
         "wmem_queued": sample.wmem_queued,
         "sndbuf": sample.sndbuf,
         "notsent_bytes": sample.notsent_bytes,
@@ -50,7 +50,7 @@ def socket_json(
         "stall_required_seconds": (
             round(verdict.required_ns / 1e9, 3) if verdict.on_the_way else None
         ),
-        "stall_evidence": verdict.evidence(policy),
+        "stall_evidence": verdict.evidence(thresholds),
         "source": sample.source,
         "snd_cwnd": sample.snd_cwnd,
         "zero_window_probes": sample.zero_window_probes,
@@ -87,12 +87,12 @@ class StreamView:
     `relayed` link to the proxy's client socket that decides for it. `process` is the
     engine's (else the socket owner's), and `relay_process` the relaying process's.
     `action_failed` names the actions of this stall episode that failed after their last
-    try (kvwatch.policy.decide), None when none did."""
+    try (kvwatch.act.carry), None when none did."""
 
     sample: SocketSample
     judgement: StallJudgement
     state: StreamState
-    policy: StatePolicy
+    thresholds: StallThresholds
     engine: EngineStream | None
     process: ProcessInfo | None
     gpus: tuple[GpuProcessUse, ...]
@@ -130,7 +130,7 @@ class StreamView:
 
     def to_json(self) -> dict[str, Any]:
         """The `kvwatch streams --json` contract: the socket plus the join."""
-        row = socket_json(self.sample, self.now_ns, self.policy, self.judgement)
+        row = socket_json(self.sample, self.now_ns, self.thresholds, self.judgement)
         engine = self.engine
         row.update(
             request_id=engine.request_id if engine else None,

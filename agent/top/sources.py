@@ -10,7 +10,7 @@ from kvwatch.collect.bpf.loader import CollectorSettings
 from kvwatch.collect.collectors import MergedCollector, open_collector
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.errors import KvwatchError
-from kvwatch.streams.states import StatePolicy
+from kvwatch.streams.states import StallThresholds
 from kvwatch.streams.view import socket_json
 from kvwatch.tools.client import AgentUnreachableError, get_json, get_text, reading_answer
 from kvwatch.top.model import (
@@ -78,10 +78,14 @@ class StandaloneSource:
     joined to engine requests and nothing is ever cancelled: rows have no request or KV."""
 
     def __init__(
-        self, settings: CollectorSettings, backend: str, procfs_root: str, policy: StatePolicy
+        self,
+        settings: CollectorSettings,
+        backend: str,
+        procfs_root: str,
+        thresholds: StallThresholds,
     ) -> None:
         self.opened = open_collector(settings, backend, procfs_root)
-        self.policy = policy
+        self.thresholds = thresholds
         self.gpus = GpuInventory()
 
     @property
@@ -101,7 +105,7 @@ class StandaloneSource:
         now_ns = time.monotonic_ns()
         rows = []
         for sample in samples:
-            row = socket_json(sample, now_ns, self.policy)
+            row = socket_json(sample, now_ns, self.thresholds)
             row.update(
                 request_id=None,
                 engine_pid=None,

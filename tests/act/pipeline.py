@@ -39,7 +39,7 @@ class Pipeline:
         audit: AuditLog,
         timelines: Timelines,
     ) -> None:
-        self.state_policy = policy.state_policy()
+        self.stall_thresholds = policy.stall_thresholds()
         self.behind = behind
         self.joiner = joiner
         self.actions = actions
@@ -66,5 +66,5 @@ class Pipeline:
     async def on_stalled(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
         engine, relay = self.behind(sample)
         now_ns = time.monotonic_ns()
-        view = self.joiner.view(sample, engine, now_ns, self.state_policy, judgement, relay)
+        view = self.joiner.view(sample, engine, now_ns, self.stall_thresholds, judgement, relay)
         return await self.executor.on_stalled(self.episodes.of(sample), view)

@@ -63,7 +63,7 @@ def stalled_sample(bytes_acked: int = 1000) -> SocketSample:
 
 
 def verdict(sample: SocketSample) -> StallJudgement:
-    judgement = judge(sample, time.monotonic_ns(), POLICY.state_policy())
+    judgement = judge(sample, time.monotonic_ns(), POLICY.stall_thresholds())
     assert judgement.stalled
     return judgement
 
@@ -142,7 +142,7 @@ def test_a_handler_that_raised_is_tried_again() -> None:
         return None
 
     async def scenario() -> None:
-        watch = StallTimers(POLICY.state_policy(), read, handler)
+        watch = StallTimers(POLICY.stall_thresholds(), read, handler)
         watch.observe(sample)
         await wait_until(lambda: len(calls) == 2, timeout_seconds=5)
         watch.observe(sample)  # the episode is done: no third call

@@ -8,11 +8,11 @@ import time
 
 from kvwatch.act.confirm import check
 from kvwatch.collect.diag.kernel_view import CheckedViews
-from kvwatch.streams.states import StatePolicy, judge
+from kvwatch.streams.states import StallThresholds, judge
 from tests.act.stalled import StalledConnections, kernel_view
 from tests.waiting import wait_until
 
-POLICY = StatePolicy()
+POLICY = StallThresholds()
 
 
 def test_a_stalled_connection_is_confirmed_with_the_kernels_evidence(

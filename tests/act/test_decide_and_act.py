@@ -99,7 +99,7 @@ class Agent:
 
     async def stalled(self, sample: SocketSample) -> float | None:
         """The stall timers' call: the socket, with the judge's verdict on it now."""
-        judgement = judge(sample, time.monotonic_ns(), self.decider.state_policy)
+        judgement = judge(sample, time.monotonic_ns(), self.decider.stall_thresholds)
         assert judgement.stalled
         return await self.decider.on_stalled(sample, judgement)
 

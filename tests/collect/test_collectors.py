@@ -18,10 +18,10 @@ from kvwatch.collect.collectors import (
 )
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.stall_timers import episode_of
-from kvwatch.streams.states import StatePolicy, StreamState, classify, judge
+from kvwatch.streams.states import StallThresholds, StreamState, classify, judge
 
 S = 1_000_000_000
-POLICY = StatePolicy(stall_seconds=3.0, min_reader_bytes_per_second=4096)
+POLICY = StallThresholds(stall_seconds=3.0, min_reader_bytes_per_second=4096)
 START = 1000 * S  # when the agent attached and took its sock_diag bootstrap snapshot
 ENGINE = Endpoint("10.0.0.1", 8000)
 CLIENT = Endpoint("10.0.0.2", 50000)

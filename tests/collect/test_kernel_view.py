@@ -9,7 +9,7 @@ import time
 from kvwatch.collect.diag.kernel_view import CheckedViews, with_kernel_view
 from kvwatch.collect.diag.wire import DiagEntry, TcpInfo
 from kvwatch.sockets import Endpoint, SocketSample
-from kvwatch.streams.states import StatePolicy, judge
+from kvwatch.streams.states import StallThresholds, judge
 
 S = 1_000_000_000
 CLOSE_WAIT = 8
@@ -53,7 +53,7 @@ def test_a_peer_gone_since_its_last_answer_is_proven_silent_from_that_answer() -
     entry = kernel(last_ack_recv_ms=8000, backoff=6, probes=5, bytes_acked=100_000)
     folded = with_kernel_view(record(now), entry, now, 0)
     assert folded.probe_backoff == 1 and folded.last_ack_ns == now - 8 * S
-    verdict = judge(folded, now, StatePolicy())
+    verdict = judge(folded, now, StallThresholds())
     assert verdict.stalled and verdict.proof == "silence"
 
 
@@ -62,7 +62,7 @@ def test_progress_the_record_missed_makes_it_young_again() -> None:
     entry = kernel(last_ack_recv_ms=100, backoff=0, probes=0, bytes_acked=150_000)
     folded = CheckedViews().refresh(record(now), entry, now)
     assert folded.bytes_acked == 150_000 and folded.progress_ns == now - 100_000_000
-    assert not judge(folded, now, StatePolicy()).stalled
+    assert not judge(folded, now, StallThresholds()).stalled
 
 
 def test_the_record_is_never_made_older() -> None:

@@ -21,7 +21,7 @@ from kvwatch.api.api_server import ApiServer
 from kvwatch.api.routes import build_app
 from kvwatch.api.state import AgentState
 from kvwatch.daemon.preflight import bind_listen_address
-from kvwatch.streams.states import StatePolicy
+from kvwatch.streams.states import StallThresholds
 from kvwatch.streams.timeline import Timelines
 
 KNOWN_REQUEST = "cmpl-known"
@@ -35,7 +35,7 @@ def fake_agent_state() -> AgentState:
     timelines.close(KNOWN_CONNECTION, time.monotonic_ns(), None)
     state = SimpleNamespace(
         mode="observe",
-        state_policy=StatePolicy(),
+        stall_thresholds=StallThresholds(),
         started_ns=time.monotonic_ns(),
         opened=None,
         bpf=None,

@@ -26,13 +26,13 @@ from kvwatch.collect.collectors import auto_backend
 from kvwatch.errors import BpfError
 from kvwatch.harness.scenario import Scenario, ScenarioClient
 from kvwatch.sockets import Endpoint, SocketSample
-from kvwatch.streams.states import StatePolicy, StreamState, classify
+from kvwatch.streams.states import StallThresholds, StreamState, classify
 from tests.collect.bpf.conftest import EventLog, differences, record_fields
 from tests.kernel.guest_modes import endpoint_of, server_side
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
-POLICY = StatePolicy(stall_seconds=2.0)
+POLICY = StallThresholds(stall_seconds=2.0)
 WATCH_SECONDS = 2 * POLICY.stall_seconds + 0.5
 SETTLE_SECONDS = 5.0
 STATUS = bcc_status()

@@ -25,14 +25,14 @@ from kvwatch.collect.diag.wire import parse_tcp_info
 from kvwatch.errors import BpfError
 from kvwatch.harness.scenario import Scenario, ScenarioClient, abort
 from kvwatch.sockets import Endpoint, SocketSample
-from kvwatch.streams.states import StatePolicy, StreamState, classify
+from kvwatch.streams.states import StallThresholds, StreamState, classify
 from tests.collect.bpf.conftest import EventLog
 from tests.kernel.conftest import libbpf_log
 from tests.kernel.plan import Combo, Offers, best_send_mode, best_tracepoint_mode
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
-POLICY = StatePolicy(stall_seconds=2.0)
+POLICY = StallThresholds(stall_seconds=2.0)
 WATCH_SECONDS = 2 * POLICY.stall_seconds + 0.5
 TCP_CLOSE = 7
 SO_ATTACH_FILTER = 26

@@ -20,11 +20,11 @@ from kvwatch.hookserver.registry import EngineStream
 from kvwatch.sockets import Endpoint, Feeder, SocketSample
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import RelayLink
-from kvwatch.streams.states import StatePolicy, StreamState, judge
+from kvwatch.streams.states import StallThresholds, StreamState, judge
 from tests.collect.conftest import GIB, FakeGpu, FakeNvml
 
 S = 1_000_000_000
-POLICY = StatePolicy(stall_seconds=3.0, min_reader_bytes_per_second=4096)
+POLICY = StallThresholds(stall_seconds=3.0, min_reader_bytes_per_second=4096)
 NOW = 1_000 * S
 ENGINE_PID, PROXY_PID = 4242, 4343
 CID = "3f4c2b1a" * 8

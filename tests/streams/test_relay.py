@@ -227,10 +227,10 @@ def test_a_request_seen_at_the_proxy_and_the_engine_counts_its_kv_once(
     listeners: ListeningPorts,
 ) -> None:
     from kvwatch.exporters.streams import by_request
-    from kvwatch.streams.states import StatePolicy, StreamState, judge
+    from kvwatch.streams.states import StallThresholds, StreamState, judge
     from kvwatch.streams.view import StreamView
 
-    policy = StatePolicy(stall_seconds=3.0)
+    policy = StallThresholds(stall_seconds=3.0)
     stream = request("cmpl-1", 1_000)
     at_proxy = proxy_socket(feeds=40, misses=0, fed_ns=2_000)
     at_engine = engine_socket()

@@ -15,13 +15,13 @@ import pytest
 
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.stall_timers import RETRY_AFTER_ERROR_SECONDS, StallTimers, episode_of
-from kvwatch.streams.states import StallJudgement, StatePolicy
+from kvwatch.streams.states import StallJudgement, StallThresholds
 from tests.hookserver.conftest import run_async, wait_until
 
 MS = 1_000_000
 # A reader guaranteed at 1 MB/s drains the peer's 1000-byte buffer in 1 ms: the peer's answer
 # 5 ms into the stall proves it, so `stall_seconds` alone sets when a stall matures.
-POLICY = StatePolicy(stall_seconds=0.2, min_reader_bytes_per_second=1_000_000)
+POLICY = StallThresholds(stall_seconds=0.2, min_reader_bytes_per_second=1_000_000)
 KEY = 7
 
 
@@ -98,7 +98,7 @@ class Handler:
 
 def test_a_stall_reaches_the_handler_when_it_matures_not_before_and_not_by_polling() -> None:
     kernel, handler = Kernel(), Handler()
-    policy = StatePolicy(stall_seconds=0.5, min_reader_bytes_per_second=1_000_000)
+    policy = StallThresholds(stall_seconds=0.5, min_reader_bytes_per_second=1_000_000)
 
     async def scenario() -> None:
         start = time.monotonic_ns()

@@ -11,11 +11,11 @@ from kvwatch.collect.probes import (
     probe_interval_ns,
 )
 from kvwatch.sockets import Endpoint, SocketSample
-from kvwatch.streams.states import StatePolicy, StreamState, classify, judge
+from kvwatch.streams.states import StallThresholds, StreamState, classify, judge
 
 S = 1_000_000_000
 MS = 1_000_000
-POLICY = StatePolicy(stall_seconds=3.0, min_reader_bytes_per_second=4096)
+POLICY = StallThresholds(stall_seconds=3.0, min_reader_bytes_per_second=4096)
 
 
 def zero_window(**changes: object) -> SocketSample:
@@ -84,7 +84,7 @@ def test_without_the_largest_window_the_window_scale_bounds_the_buffer() -> None
 
 def test_a_higher_rate_cuts_sooner() -> None:
     sample = zero_window(last_ack_ns=100_600 * MS, probe_backoff=2)
-    fast = StatePolicy(stall_seconds=3.0, min_reader_bytes_per_second=65536)
+    fast = StallThresholds(stall_seconds=3.0, min_reader_bytes_per_second=65536)
     assert judge(sample, 101 * S, fast).required_ns < judge(sample, 101 * S, POLICY).required_ns
 
 

@@ -19,7 +19,7 @@ from kvwatch.collect.bpf.layout import KvSockRecord
 from kvwatch.collect.bpf.loader import CollectorSettings
 from kvwatch.errors import BpfError
 from kvwatch.harness.scenario import Scenario
-from kvwatch.streams.states import StatePolicy
+from kvwatch.streams.states import StallThresholds
 from kvwatch.streams.view import socket_json
 from tests.collect.bpf.conftest import (
     EventLog,
@@ -33,7 +33,7 @@ from tests.waiting import wait_for
 pytestmark = pytest.mark.bpf
 SETTLE_SECONDS = 5.0
 SECONDS_TOLERANCE = 0.01
-POLICY = StatePolicy()
+POLICY = StallThresholds()
 
 
 @dataclass

@@ -13,12 +13,12 @@ import pytest
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.harness.scenario import Scenario
 from kvwatch.sockets import SocketSample
-from kvwatch.streams.states import StatePolicy, StreamState, classify
+from kvwatch.streams.states import StallThresholds, StreamState, classify
 from tests.collect.bpf.conftest import EventLog, in_zero_window, server_side, wait_for_server_side
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
-POLICY = StatePolicy(stall_seconds=3.0)
+POLICY = StallThresholds(stall_seconds=3.0)
 
 
 def is_stalled(sample: SocketSample) -> bool:

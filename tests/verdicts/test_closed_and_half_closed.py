@@ -22,6 +22,8 @@ from .readers import Reader
 from .token_server import EVENT
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+# Across the veth link as it is, and with 50 ms of RTT and 1% loss each way.
+LINKS = pytest.mark.parametrize("link", [Link(0, 0.0), Link(25, 1.0)], ids=Link.describe)
 
 GUARANTEE = DEFAULT_MIN_READER_BYTES_PER_SECOND
 BURST_BYTES = 150_000
@@ -32,11 +34,12 @@ BURST_READ_SECONDS = BURST_BYTES / (2 * GUARANTEE) + 10
 HALF_CLOSED_WATCH_SECONDS = 25.0
 
 
+@LINKS
 def test_a_server_that_closed_while_the_kernel_drains_is_never_cut(
-    labs: Callable[[Link], Lab], agent: Agent
+    labs: Callable[[Link], Lab], agent: Agent, link: Link
 ) -> None:
     agent.start()
-    lab = labs(Link(0, 0.0))
+    lab = labs(link)
     request = f"burst {BURST_BYTES} {LINGER_SECONDS}\n".encode()
     live = [
         lab.connect(Reader(f"closed-live-{buffer}", buffer, 2 * GUARANTEE, eof_ends=True), request)
@@ -65,11 +68,12 @@ def test_a_server_that_closed_while_the_kernel_drains_is_never_cut(
     assert (row["state"], row["orphaned"], row["pid"]) == ("closed", True, 0), row
 
 
+@LINKS
 def test_a_half_closed_client_that_reads_on_is_never_cut_and_a_dead_one_is(
-    labs: Callable[[Link], Lab], agent: Agent
+    labs: Callable[[Link], Lab], agent: Agent, link: Link
 ) -> None:
     agent.start()
-    lab = labs(Link(0, 0.0))
+    lab = labs(link)
     live = lab.connect(Reader("half-closed-live-64k", "64k", 3 * GUARANTEE // 2, half_close=True))
     dead = lab.connect(
         Reader("half-closed-dead-4k", "4k", 4 * GUARANTEE, read_seconds=0, half_close=True)

@@ -160,6 +160,12 @@ class SocketSample:
         return self.tcp_state in SENDER_CLOSED_STATES
 
     @property
+    def orphaned(self) -> bool:
+        """Its sender closed and no process holds it any more: the kernel drains what was
+        queued; no request is behind it."""
+        return self.sender_closed and self.pid == 0
+
+    @property
     def zero_window(self) -> bool:
         return self.zero_window_since_ns != 0
 

@@ -246,7 +246,10 @@ class RelayIndex:
     ) -> tuple[EngineStream | None, RelayLink | None]:
         """The engine stream `sample` carries, and its relay link: the link through which the
         stream was found for a proxy's client socket; `relayed` for a socket whose peer is a
-        proxy that relays it to a client socket which decides; None when neither."""
+        proxy that relays it to a client socket which decides; None when neither. An orphaned
+        socket carries none: its process closed it (whatever an engine announced on it)."""
+        if sample.orphaned:
+            return None, None
         direct = engines.find(sample.local, sample.remote)
         feeder = self._feeder(sample)
         if feeder is None:

@@ -32,7 +32,7 @@ def socket_json(
         "remote": str(sample.remote),
         "pid": sample.pid,
         "comm": sample.comm,
-        "orphaned": sample.sender_closed and sample.pid == 0,
+        "orphaned": sample.orphaned,
         "state": state_of(sample, verdict, now_ns, thresholds).value,
         "wmem_queued": sample.wmem_queued,
         "sndbuf": sample.sndbuf,

@@ -190,6 +190,16 @@ def test_a_socket_the_engine_announced_with_no_relay_before_it_is_joined_directl
     assert engine == direct and link is None
 
 
+def test_an_orphaned_socket_carries_no_request_whatever_was_announced_on_it(
+    listeners: ListeningPorts,
+) -> None:
+    """The engine closed the socket (FIN_WAIT1, no process holds it): the kernel drains
+    it, and no request or KV is shown behind it, even if the engine never said `close`."""
+    orphan = engine_socket().with_changes(tcp_state=4, pid=0, comm="")
+    announced = Engines(request("cmpl-1", 1_000))
+    assert index(listeners, orphan).behind(orphan, announced) == (None, None)
+
+
 def test_the_engines_socket_defers_to_the_client_socket_that_carries_its_request(
     listeners: ListeningPorts,
 ) -> None:

@@ -66,6 +66,8 @@ def test_a_server_that_closed_while_the_kernel_drains_is_never_cut(
     assert not [act for act in agent.acts() if act["remote"] in clients]
     (row,) = [row for row in agent.sockets_json() if row["remote"] == dead.local]
     assert (row["state"], row["orphaned"], row["pid"]) == ("closed", True, 0), row
+    (stream,) = [row for row in agent.streams() if row["remote"] == dead.local]
+    assert (stream["request_id"], stream["kv_bytes"]) == (None, None), stream
 
 
 @LINKS

@@ -158,7 +158,7 @@ def collector_options(with_defaults: bool = True) -> Callable[[F], F]:
     return apply
 
 
-def collector_config(
+def collector_flags(
     ports: tuple[int, ...],
     pid: int | None,
     backend: str | None,
@@ -167,12 +167,9 @@ def collector_config(
     stall_seconds: float | None,
     min_reader_rate: int | None,
     procfs_root: str | None,
-) -> AgentConfig:
-    """The configuration `sockets --standalone` and `top --standalone` read the kernel with:
-    the collector options' flags over the environment, through the loader `kvwatch run` uses
-    (one set of defaults and bounds, one way to build the collector's settings and the
-    judge's thresholds from it)."""
-    flags: dict[str, object | None] = {
+) -> dict[str, object | None]:
+    """The collector options' values (`collector_options`) by config key; None: not given."""
+    return {
         "collector.ports": ports or None,
         "collector.pid": pid,
         "collector.backend": backend,
@@ -182,7 +179,15 @@ def collector_config(
         "policy.min_reader_bytes_per_second": min_reader_rate,
         "path.procfs": procfs_root,
     }
-    return load_config(None, os.environ, {k: v for k, v in flags.items() if v is not None})
+
+
+def load_with_flags(config_path: str | None, flags: dict[str, object | None]) -> AgentConfig:
+    """The configuration a command runs with: defaults < the file at `config_path` < the
+    environment < the flags given. `run` reads it so, and so do `sockets --standalone` and
+    `top --standalone` (without a file): one loader, one set of defaults and bounds, one way
+    to the collector's settings and the judge's thresholds."""
+    given = {key: value for key, value in flags.items() if value is not None}
+    return load_config(config_path, os.environ, given)
 
 
 def announce_collector(note: str) -> None:

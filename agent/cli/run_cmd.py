@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import os
 import signal
 import socket
 
@@ -13,8 +12,7 @@ import click
 
 from kvwatch.api.api_server import ApiServer
 from kvwatch.api.routes import build_app
-from kvwatch.cli.options import collector_options, setting_option
-from kvwatch.config import load_config
+from kvwatch.cli.options import collector_flags, collector_options, load_with_flags, setting_option
 from kvwatch.daemon.daemon import Daemon
 from kvwatch.daemon.logrepeat import RepeatFilter
 from kvwatch.daemon.preflight import check_before_start, raise_descriptor_limit
@@ -179,28 +177,21 @@ def command(
     logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO, handlers=[handler])
     if verbose < 2:
         logging.getLogger("kvwatch.libbpf").setLevel(logging.WARNING)
-    overrides = {
+    flags = {
         "policy.mode": mode,
         "policy.actions": actions or None,
-        "policy.stall_seconds": stall_seconds,
-        "policy.min_reader_bytes_per_second": min_reader_rate,
         "policy.min_kv_bytes": min_kv_bytes,
         "policy.grace_seconds": grace_seconds,
         "policy.max_cancels_per_minute": max_cancels_per_minute,
-        "collector.ports": ports or None,
-        "collector.pid": pid,
-        "collector.backend": backend,
-        "collector.send_mode": send_mode,
-        "collector.max_sockets": max_sockets,
+        **collector_flags(
+            ports, pid, backend, send_mode, max_sockets, stall_seconds, min_reader_rate, procfs_root
+        ),
         "hook.socket": hook_socket,
         "hook.allowed_uids": allowed_uids or None,
         "http.listen": listen,
         "audit.path": audit_log,
-        "path.procfs": procfs_root,
     }
-    config = load_config(
-        config_path, os.environ, {k: v for k, v in overrides.items() if v is not None}
-    )
+    config = load_with_flags(config_path, flags)
     listener = check_before_start(config)
     raise_descriptor_limit()
     one_malloc_arena()

@@ -14,8 +14,9 @@ from rich.live import Live
 from kvwatch.cli.options import (
     agent_url_option,
     announce_collector,
-    collector_config,
+    collector_flags,
     collector_options,
+    load_with_flags,
     state_filter_option,
 )
 from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
@@ -94,9 +95,10 @@ def command(
         None if standalone else AgentRows.reached(url, ports, pid)
     )
     if source is None:
-        config = collector_config(
+        flags = collector_flags(
             ports, pid, backend, send_mode, max_sockets, stall_seconds, min_reader_rate, procfs_root
         )
+        config = load_with_flags(None, flags)
         opened = open_collector(
             config.collector.settings(), config.collector.backend, config.path.procfs
         )

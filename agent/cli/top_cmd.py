@@ -12,8 +12,9 @@ from rich.console import Console
 from kvwatch.cli.options import (
     agent_url_option,
     announce_collector,
-    collector_config,
+    collector_flags,
     collector_options,
+    load_with_flags,
     state_filter_option,
 )
 from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
@@ -99,9 +100,10 @@ def command(
     source: FrameSource
     reading: AbstractContextManager[None] = nullcontext()
     if standalone:
-        config = collector_config(
+        flags = collector_flags(
             ports, pid, backend, send_mode, max_sockets, stall_seconds, min_reader_rate, procfs_root
         )
+        config = load_with_flags(None, flags)
         standalone_source = StandaloneSource(
             config.collector.settings(),
             config.collector.backend,

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import STALL_SECONDS, Stack
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
 LATENCY_MARGIN_SECONDS = 0.5
@@ -24,6 +25,10 @@ def metric_value(text: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def engine_metric(stack: Stack, name: str, **labels: str) -> float:
+    return metric_value(httpx.get(f"{stack.engine_url}/metrics").text, name, **labels)
 
 
 def test_enforce_cancels_every_stalled_stream_and_nothing_else(stack: Stack) -> None:
@@ -53,9 +58,12 @@ def test_enforce_cancels_every_stalled_stream_and_nothing_else(stack: Stack) -> 
     assert report.classes["healthy"].reset == 0
     assert report.classes["slow"].reset == 0
     assert report.classes["healthy"].tokens > 0, "healthy streams kept streaming"
-    time.sleep(0.5)
-    engine_metrics = httpx.get(f"{stack.engine_url}/metrics").text
-    assert metric_value(engine_metrics, "kvwatch_engine:kv_cache_blocks_used") == 0
+    wait_until(
+        lambda: engine_metric(stack, "kvwatch_engine:kv_cache_blocks_used") == 0,
+        10,
+        "the engine to free every KV block",
+        poll_seconds=0.1,
+    )
     agent_metrics = httpx.get(f"{stack.agent_url}/metrics").text
     assert metric_value(
         agent_metrics, "kvwatch_actions_total", action="cancel", result="cancelled"
@@ -118,13 +126,22 @@ def test_agent_restart_rebuilds_state_and_still_acts(stack: Stack) -> None:
     stack.start_engine()
     first = stack.start_agent("--mode", "observe")
     stalled = stack.spawn_stalled_client()
-    time.sleep(1.0)
-    first.stop()
-    stack.start_agent("--mode", "enforce")
-    started = time.monotonic()
 
     def held(entry: dict[str, Any]) -> bool:
         return str(entry.get("request_id") or "").startswith("cmpl-held-")
+
+    def shut(row: dict[str, Any]) -> bool:
+        return held(row) and row["state"] in ("zero_window", "stalled")
+
+    wait_until(
+        lambda: any(shut(row) for row in httpx.get(f"{stack.agent_url}/api/v1/streams").json()),
+        10,
+        "the first agent to join the held stream with its window shut",
+        poll_seconds=0.1,
+    )
+    first.stop()
+    stack.start_agent("--mode", "enforce")
+    started = time.monotonic()
 
     # The stall is older than stall_seconds when the new agent starts, so it may cancel the
     # request before the first look at its listing: either proves the join was rebuilt.

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import STALL_SECONDS, Stack
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
 CHAIN = [
@@ -42,11 +43,14 @@ def test_streams_then_explain_of_a_cancelled_request_shows_the_whole_chain(stack
     stack.start_engine()
     stack.start_agent("--mode", "enforce")
     client = stack.spawn_stalled_client("held-1")
-    row = None
-    while row is None:  # until the engine's hook (re)connected and announced the stream
-        listed = kvwatch("streams", "--json", "--url", stack.agent_url)
-        assert listed.returncode == 0, listed.stderr
-        row = next((r for r in json.loads(listed.stdout) if r["request_id"] == "cmpl-held-1"), None)
+
+    def listed() -> dict[str, Any] | None:
+        done = kvwatch("streams", "--json", "--url", stack.agent_url)
+        assert done.returncode == 0, done.stderr
+        return next((r for r in json.loads(done.stdout) if r["request_id"] == "cmpl-held-1"), None)
+
+    # Until the engine's hook (re)connected and announced the stream (each look runs the CLI).
+    row = wait_for(listed, 30, "`kvwatch streams` to list cmpl-held-1", poll_seconds=0.1)
     assert row["kv_blocks"] > 0 and row["engine"] == "kvwatch-reference"
     assert row["local"] == f"127.0.0.1:{stack.engine_port}"
     deadline = time.monotonic() + STALL_SECONDS + 5

@@ -26,6 +26,7 @@ from tests.e2e.conftest import Stack
 from tests.e2e.test_agent_loop import metric_value
 from tests.e2e.tiny_gguf import TinyLlama, ascii_forever_bias, write_tiny_llama
 from tests.hook.asgi_servers import read_all
+from tests.waiting import wait_for
 
 if importlib.util.find_spec("llama_cpp") is None:
     # CI (which sets KVWATCH_REQUIRE_BPF=1) must run it: there a missing build is a failure.
@@ -145,15 +146,20 @@ class Reader:
             self.error = exc
 
 
-def joined_row(stack: Stack, request_id: str) -> dict[str, Any]:
-    """The agent's `streams --json` row for `request_id`, once it has joined it."""
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:
-        for row in httpx.get(f"{stack.agent_url}/api/v1/streams").json():
-            if row["request_id"] == request_id:
-                return dict(row)
-        time.sleep(0.05)
-    raise AssertionError(f"the agent never joined {request_id} to a socket")
+def joined_row(
+    stack: Stack, request_id: str, states: tuple[str, ...] = (), timeout_seconds: float = 5.0
+) -> dict[str, Any]:
+    """The agent's `streams --json` row for `request_id`, once it has joined it (and the
+    row is in one of `states`, when given)."""
+
+    def row() -> dict[str, Any] | None:
+        for found in httpx.get(f"{stack.agent_url}/api/v1/streams").json():
+            if found["request_id"] == request_id and (not states or found["state"] in states):
+                return dict(found)
+        return None
+
+    what = f"the agent to join {request_id} to a socket" + (f" in {states}" if states else "")
+    return wait_for(row, timeout_seconds, what, poll_seconds=0.05)
 
 
 def sse_texts(raw: bytes) -> list[str]:
@@ -175,7 +181,9 @@ def test_a_stalled_client_is_cancelled_and_the_waiting_request_served(
     stalled_id = str(uuid.uuid4())
     stalled = stalled_client(server.port, stalled_id)
     row = joined_row(stack, stalled_id)  # before the agent acts (it needs 2 s of stall)
-    time.sleep(1.0)  # the stalled request holds llama-cpp-python's generation lock now
+    # Its window shut: the stalled request is blocked, holding llama-cpp-python's one
+    # generation lock, when the next request comes.
+    joined_row(stack, stalled_id, ("zero_window", "stalled"), timeout_seconds=ACTION_SECONDS)
     waiting = Reader(server.port, completion(50, str(uuid.uuid4())))
     asked_at = time.monotonic()
     waiting.start().join(ACTION_SECONDS + 30)

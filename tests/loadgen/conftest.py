@@ -32,7 +32,7 @@ async def _chat(request: Request) -> StreamingResponse:
     async def chunks() -> AsyncIterator[str]:
         yield 'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n'
         for index in range(body["max_tokens"]):
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # deliberate: a token every 10 ms, as a model streams
             delta = {"content": f" w{index}"}
             yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n"
         yield 'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}\n\n'

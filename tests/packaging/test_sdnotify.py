@@ -66,7 +66,7 @@ def test_watchdog_pings_at_half_the_timeout(manager: tuple[socket.socket, dict[s
 
     async def run_for(seconds: float) -> None:
         task = asyncio.create_task(watchdog.run())
-        await asyncio.sleep(seconds)
+        await asyncio.sleep(seconds)  # deliberate: the pings of this much time are counted
         task.cancel()
 
     asyncio.run(run_for(0.32))

@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 
+from kvwatch.collect.diag.snapshot import DiagClient
 from kvwatch.harness.stack import free_port
+from kvwatch.sockets import Endpoint
 from kvwatch.tools.client import get_json
 from tests.e2e.conftest import Stack
 from tests.proxy.test_behind_a_proxy import wait_for
@@ -53,7 +55,10 @@ def socket_pair(port: int) -> Iterator[tuple[socket.socket, Reader]]:
     source = socket.create_connection(("127.0.0.1", port))
     sink = Reader("sink", "default", 1 << 24)
     try:
-        time.sleep(0.1)  # A is accepted first
+        # A is accepted first: its connection is in the server's accept queue before B connects.
+        server_end = Endpoint("127.0.0.1", port), Endpoint(*source.getsockname())
+        with DiagClient() as diag:
+            wait_for(lambda: diag.find(*server_end), 5, "client A's connection at the server")
         sink.connect(socket.socket(), "127.0.0.1", port, b"")
         yield source, sink
     finally:
@@ -77,7 +82,7 @@ def test_a_server_thread_that_reads_one_client_and_writes_another_is_no_relay(
             deadline = time.monotonic() + SEND_SECONDS
             while time.monotonic() < deadline:
                 source.sendall(CHUNK)
-                time.sleep(0.02)
+                time.sleep(0.02)  # deliberate: A sends a steady trickle for SEND_SECONDS
             row = wait_for(lambda: fed_row(stack, sink.local), 5, "the paired socket's row")
             rows: list[dict[str, Any]] = get_json(stack.agent_url, "/api/v1/streams")
     finally:

@@ -53,7 +53,7 @@ def test_live_readers_are_never_cut_and_dead_ones_are(
     made = [labs(link) for link in LINKS]
     for lab in made:
         readers_for(lab)
-    time.sleep(WATCH_SECONDS)
+    time.sleep(WATCH_SECONDS)  # deliberate: a soak the live readers must last uncut
 
     acts = {entry["remote"]: entry for entry in agent.acts()}
     reset = {

@@ -14,6 +14,7 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from tests.hookserver.conftest import ENGINE_INFO, run_async, wait_until
 pytestmark = pytest.mark.bpf
 
 GOLDEN = Path(__file__).with_name("golden") / "metrics.txt"
+DECISION_SECONDS = 20.0
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? \S+")
 LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="(?:[^"\\]|\\.)*"')
 # The one lint promtool raises that is kept on purpose: GPU labels spelled as NVIDIA's DCGM
@@ -87,9 +89,11 @@ async def scrape(tmp_path: Path) -> str:
     try:
         hook.stream_opened("cmpl-golden", accepted.getsockname(), accepted.getpeername(), 2)
         await wait_until(lambda: daemon.hooks.live("cmpl-golden"))
+        deadline = time.monotonic() + DECISION_SECONDS
         while not daemon.recorder.events_after(0):  # until the stall's decision and reset
+            assert time.monotonic() < deadline, f"no decision on the stall in {DECISION_SECONDS} s"
             with contextlib.suppress(BlockingIOError, ConnectionError):
-                accepted.send(b"data: token\n\n" * 64)
+                accepted.send(b"data: token\n\n" * 64)  # the writer fills the client's window
             await asyncio.sleep(0.05)
         await wait_until(lambda: daemon.tally.outcomes.total() > 0, timeout_seconds=10)
         return generate_latest(daemon.registry).decode()

@@ -29,6 +29,9 @@ PROG_TYPE_RAW_TRACEPOINT = 17
 PROG_TYPE_TRACING = 26
 ATTACH_TRACE_RAW_TP = 23
 ATTACH_TRACE_FENTRY = 24
+ATTACH_TRACE_ITER = 28
+# The iterator kvwatch reads its socket-storage table through (kv_dump_sockets).
+STORAGE_ITERATOR_TARGET = "bpf_iter_bpf_sk_storage_map"
 BTF_KIND_FUNC = 12
 PERF_EVENT_IOC_ENABLE = 0x2400
 PERF_EVENT_IOC_SET_BPF = 0x40042408
@@ -230,3 +233,17 @@ def kernel_offers() -> dict[str, dict[str, str | None]]:
             modes.update({mode: refusal(mode, tracepoint) for mode in TRACEPOINT_MODES})
         offers[point] = modes
     return offers
+
+
+def storage_iterator_refusal() -> str | None:
+    """Why the kernel refuses a minimal iterator over socket-local storage (what the socket
+    storage table is read through), or None if it accepts one: a kernel can load BTF-typed
+    programs and still refuse this (seen: EPERM in a VM sandbox), and the loader then keeps
+    the records in the LRU hash."""
+    try:
+        btf_id = _vmlinux_btf_id(STORAGE_ITERATOR_TARGET, BTF_KIND_FUNC)
+        os.close(_load(PROG_TYPE_TRACING, ATTACH_TRACE_ITER, btf_id))
+    except OSError as exc:
+        why = exc.strerror or os_error_text(exc.errno or 0)
+        return f"iterator {STORAGE_ITERATOR_TARGET} refused: {why}"
+    return None

@@ -47,9 +47,11 @@ TRACEPOINT_ATTACH_POINTS = {
 }
 
 
-def storage_for(requested: str, send_mode: str, tracepoint_mode: str) -> str:
-    """Where records live under these modes: socket-local storage needs BTF-typed programs
-    at every attach point."""
+def storages_for(requested: str, send_mode: str, tracepoint_mode: str) -> tuple[str, ...]:
+    """Where records may live under these modes, best first: socket-local storage needs
+    BTF-typed programs at every attach point, and its table is read through a BPF iterator,
+    which a kernel may refuse where it loads the programs themselves (seen: EPERM in a VM
+    sandbox); `auto` then keeps the modes and takes the LRU hash."""
     typed = send_mode in BTF_SEND_MODES and tracepoint_mode == "tp_btf"
     if requested == "sk_storage" and not typed:
         raise BpfError(
@@ -58,8 +60,8 @@ def storage_for(requested: str, send_mode: str, tracepoint_mode: str) -> str:
             "use --storage auto or lru_hash, or force fentry/tp_btf attach points",
         )
     if requested == "auto":
-        return "sk_storage" if typed else "lru_hash"
-    return requested
+        return ("sk_storage", "lru_hash") if typed else ("lru_hash",)
+    return (requested,)
 
 
 def send_program(mode: str) -> str:
@@ -160,11 +162,14 @@ class CollectorSettings:
 
 @dataclass
 class AttachReport:
-    """Which mode each attach point got, and why the better send modes were refused."""
+    """Which mode each attach point got, why the better send modes were refused, and, when
+    the records went to the LRU hash although the modes allowed socket storage, why
+    (`storage_refused`)."""
 
     points: dict[str, str] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
     storage: str = "lru_hash"
+    storage_refused: str = ""
 
     @property
     def send_mode(self) -> str:
@@ -173,6 +178,8 @@ class AttachReport:
     def describe(self) -> str:
         parts = [f"{point}={mode}" for point, mode in self.points.items()]
         text = "BPF attach points: " + ", ".join(parts) + f"; records in {self.storage}"
+        if self.storage_refused:
+            text += f" (socket storage refused: {self.storage_refused})"
         if self.rejected:
             reasons = "; ".join(f"{mode}: {why}" for mode, why in self.rejected.items())
             text += f" (send path fell back: {reasons})"
@@ -194,7 +201,12 @@ class _OpenObject:
     """One bpf_object with a chosen send mode. Owns the object and its links until closed."""
 
     def __init__(
-        self, path: Path, settings: CollectorSettings, send_mode: str, tracepoint_mode: str
+        self,
+        path: Path,
+        settings: CollectorSettings,
+        send_mode: str,
+        tracepoint_mode: str,
+        storage: str,
     ) -> None:
         self.lib = libbpf()
         self.handle = check_ptr(
@@ -202,7 +214,7 @@ class _OpenObject:
         )
         self.links: list[int] = []
         self.points: dict[str, str] = {}
-        self.storage = storage_for(settings.storage, send_mode, tracepoint_mode)
+        self.storage = storage
         try:
             self._configure(settings, send_mode, tracepoint_mode)
             check_rc(self.lib.bpf_object__load(self.handle), f"load BPF programs ({send_mode})")
@@ -332,11 +344,17 @@ class BpfPrograms:
             if unavailable:
                 self.report.rejected[mode] = unavailable
                 continue
-            try:
-                return _OpenObject(path, settings, mode, tracepoint_mode)
-            except BpfError as exc:
-                self.report.rejected[mode] = exc.message
-                log.debug("send mode %s refused: %s", mode, exc.message)
+            refused: dict[str, str] = {}
+            for storage in storages_for(settings.storage, mode, tracepoint_mode):
+                try:
+                    opened = _OpenObject(path, settings, mode, tracepoint_mode, storage)
+                except BpfError as exc:
+                    refused[storage] = exc.message
+                    log.debug("send mode %s with %s refused: %s", mode, storage, exc.message)
+                    continue
+                self.report.storage_refused = refused.get("sk_storage", "")
+                return opened
+            self.report.rejected[mode] = list(refused.values())[-1]  # the last storage's
         reasons = "; ".join(f"{mode}: {why}" for mode, why in self.report.rejected.items())
         if any(
             "EPERM" in why for mode, why in self.report.rejected.items() if mode in TRACEPOINT_MODES

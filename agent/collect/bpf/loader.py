@@ -344,8 +344,13 @@ class BpfPrograms:
             if unavailable:
                 self.report.rejected[mode] = unavailable
                 continue
+            try:
+                storages = storages_for(settings.storage, mode, tracepoint_mode)
+            except BpfError as exc:  # socket storage asked for, this mode cannot have it
+                self.report.rejected[mode] = exc.message
+                continue
             refused: dict[str, str] = {}
-            for storage in storages_for(settings.storage, mode, tracepoint_mode):
+            for storage in storages:
                 try:
                     opened = _OpenObject(path, settings, mode, tracepoint_mode, storage)
                 except BpfError as exc:

@@ -4,7 +4,6 @@ tiny random-weight model: a stalled client holds its one generation lock until `
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -24,15 +23,16 @@ import pytest
 from kvwatch.harness.stack import Service, free_port, wait_until_up
 from tests.e2e.conftest import Stack
 from tests.e2e.test_agent_loop import metric_value
-from tests.e2e.tiny_gguf import TinyLlama, ascii_forever_bias, write_tiny_llama
+from tests.e2e.tiny_gguf import (
+    TinyLlama,
+    ascii_forever_bias,
+    require_llama_cpp,
+    write_tiny_llama,
+)
 from tests.hook.asgi_servers import read_all
 from tests.waiting import wait_for
 
-if importlib.util.find_spec("llama_cpp") is None:
-    # CI (which sets KVWATCH_REQUIRE_BPF=1) must run it: there a missing build is a failure.
-    if os.environ.get("KVWATCH_REQUIRE_BPF") == "1":
-        raise ImportError("llama-cpp-python is not installed: scripts/setup.sh builds it")
-    pytest.skip("scripts/setup.sh builds llama-cpp-python", allow_module_level=True)
+require_llama_cpp()
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 MODEL = TinyLlama()

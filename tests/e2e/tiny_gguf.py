@@ -3,10 +3,13 @@ what llama-cpp-python's server needs to run on a CPU in a test, with no download
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 from gguf import GGUFWriter, TokenType
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
@@ -93,3 +96,13 @@ def write_tiny_llama(path: Path, model: TinyLlama = TinyLlama(), seed: int = 0) 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def require_llama_cpp() -> None:
+    """Skips the calling test module where llama-cpp-python is not built (scripts/setup.sh
+    builds it), except in CI (which sets KVWATCH_REQUIRE_BPF=1): there it is a failure."""
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return
+    if os.environ.get("KVWATCH_REQUIRE_BPF") == "1":
+        raise ImportError("llama-cpp-python is not installed: scripts/setup.sh builds it")
+    pytest.skip("scripts/setup.sh builds llama-cpp-python", allow_module_level=True)

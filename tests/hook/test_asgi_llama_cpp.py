@@ -5,7 +5,6 @@ holding the context's KV while the request before it no longer does."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,13 +16,17 @@ import pytest
 
 from kvwatch.harness.stack import Service, free_port, wait_until_up
 from kvwatch.hookwire.protocol import Cancel, Cancelled, Close, EngineInfo, Open, Update
-from tests.e2e.tiny_gguf import TinyLlama, ascii_forever_bias, write_tiny_llama
+from tests.e2e.tiny_gguf import (
+    TinyLlama,
+    ascii_forever_bias,
+    require_llama_cpp,
+    write_tiny_llama,
+)
 from tests.hook.asgi_servers import open_client, read_all, read_until
 from tests.hook.hook_agent import AgentServer, of_kind
 from tests.hook.llama_pinging import PING_SECONDS_ENV
 
-if importlib.util.find_spec("llama_cpp") is None:
-    pytest.skip("scripts/setup.sh builds llama-cpp-python", allow_module_level=True)
+require_llama_cpp()
 pytestmark = pytest.mark.slow
 
 MODEL = TinyLlama()

@@ -45,7 +45,9 @@ def notify(state: str, env: Mapping[str, str] | None = None) -> bool:
         return False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.sendto(state.encode(), address)
+            # Never wait: a manager that does not read (its queue full) must not stop the
+            # event loop this runs on; the notification is dropped and said so.
+            sock.sendto(state.encode(), socket.MSG_DONTWAIT, address)
     except OSError as exc:
         log.warning("cannot notify the service manager at %s: %s", value, exc)
         return False

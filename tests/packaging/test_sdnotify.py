@@ -33,6 +33,16 @@ def test_notify_sends_the_state_to_the_socket(
     assert sock.recv(4096) == b"READY=1\nSTATUS=watching 4 hooks"
 
 
+def test_a_manager_that_does_not_read_never_blocks_the_sender(
+    manager: tuple[socket.socket, dict[str, str]],
+) -> None:
+    """The watchdog pings from the agent's event loop: a full queue at the manager drops the
+    ping (False) instead of stopping the loop (the agent's /metrics once hung on it)."""
+    _, env = manager
+    sent = [notify("WATCHDOG=1", env) for _ in range(200)]  # the queue holds a few dozen
+    assert sent[0] and not sent[-1]
+
+
 def test_notify_reaches_an_abstract_socket() -> None:
     name = f"kvwatch-test-{uuid.uuid4().hex}"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvwatch.hookwire.counters import EventCounters
-from kvwatch.hookwire.protocol import Close, EngineInfo, Message, Open, Update
+from kvwatch.hookwire.protocol import Close, EngineInfo, Message, Open, Resumed, Update
 from kvwatch.sockets import Endpoint
 
 COUNTER_NAMES = (
@@ -29,6 +29,13 @@ COUNTER_NAMES = (
     "cancel_handler_errors",
     "cancels_refused_busy",
     "cancel_answers_lost",
+    "parks_received",
+    "parks_answered",
+    "park_timeouts",
+    "park_handler_errors",
+    "parks_refused_busy",
+    "park_answers_lost",
+    "resumes",
     "malformed_received",
     "agent_errors_received",
     "internal_errors",
@@ -44,6 +51,7 @@ class _LiveStream:
     kv_estimated: bool
     opened_at: float  # time.monotonic() when the engine announced it
     egress_buffer_full: bool = False
+    parked: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,26 @@ class StreamBook:
             stream.egress_buffer_full = egress_buffer_full
             if request_id not in self._update_queued and self._enqueue(_PendingUpdate(request_id)):
                 self._update_queued.add(request_id)
+            return True
+
+    def parked(self, request_id: str) -> None:
+        """The engine parked the request (its answer is on its way): a re-announce says so."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.parked = True
+
+    def resumed(self, request_id: str, kv_blocks: int, recomputed_tokens: int) -> bool:
+        """The parked request runs again; queues its `resumed`. False when it is not live."""
+        message = Resumed(
+            request_id=request_id, kv_blocks=kv_blocks, recomputed_tokens=recomputed_tokens
+        )
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                return False
+            stream.parked, stream.kv_blocks = False, kv_blocks
+            self._enqueue(message)
             return True
 
     def closed(self, request_id: str, reason: str) -> bool:
@@ -196,4 +224,5 @@ class StreamBook:
             tokens_out=stream.tokens_out,
             kv_estimated=stream.kv_estimated,
             age_ms=int((time.monotonic() - stream.opened_at) * 1000),
+            parked=stream.parked,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import socket
@@ -10,11 +11,11 @@ import time
 
 from kvwatch.errors import ConfigError, ProtocolError
 from kvwatch.hook.book import COUNTER_NAMES, StreamBook
-from kvwatch.hook.cancels import CancelRunner
+from kvwatch.hook.commands import CommandRunner
 from kvwatch.hook.session import Session, Waker
 from kvwatch.hookwire.counters import EventCounters
-from kvwatch.hookwire.protocol import EngineInfo
-from kvwatch.hookwire.types import CancelHandler, resolve_socket_path
+from kvwatch.hookwire.protocol import FEATURE_PARK, EngineInfo
+from kvwatch.hookwire.types import CancelHandler, ParkHandler, resolve_socket_path
 from kvwatch.sockets import Endpoint
 
 CONNECT_TIMEOUT_SECONDS = 0.5
@@ -25,15 +26,17 @@ _log = logging.getLogger("kvwatch.hook")
 
 
 class EngineHook:
-    """Tells the kvwatch agent about the engine's streams and runs the agent's cancels.
+    """Tells the kvwatch agent about the engine's streams and runs the agent's cancels (and
+    parks, for an engine that passes a `park_handler`: its hello then lists "park").
 
     The engine owns the hook; `stream_*` may be called from any thread (the event loop
     included) and never block on the agent: they update the live-stream book and queue a
     message, dropping and counting it when the bounded queue is full. One background thread
     (`kvwatch-hook`) owns the agent connection: it connects to the unix socket, sends hello and
     re-announces every live stream on each (re)connect, retries with backoff (at most
-    `reconnect_seconds` apart) while the agent is absent, and hands cancels to the engine's
-    handler on worker threads. Nothing the agent does or fails to do raises into the engine.
+    `reconnect_seconds` apart) while the agent is absent, and hands cancels and parks to the
+    engine's handlers on worker threads. Nothing the agent does or fails to do raises into
+    the engine.
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class EngineHook:
         cancel_handler: CancelHandler,
         socket_path: str | None = None,
         *,
+        park_handler: ParkHandler | None = None,
         queue_size: int = 1024,
         reconnect_seconds: float = 1.0,
         cancel_timeout_seconds: float = 5.0,
@@ -58,11 +62,14 @@ class EngineHook:
         self.socket_path = resolve_socket_path(socket_path)
         self._reconnect_seconds = reconnect_seconds
         self._send_timeout_seconds = send_timeout_seconds
+        handlers = {"cancel": cancel_handler}
+        if park_handler is not None:
+            handlers["park"] = park_handler
+            features = (*[f for f in info.features if f != FEATURE_PARK], FEATURE_PARK)
+            info = dataclasses.replace(info, features=features)
         self._counters = EventCounters(COUNTER_NAMES)
         self._book = StreamBook(info, queue_size, self._counters, self._wake)  # checks info
-        self._cancels = CancelRunner(
-            cancel_handler, cancel_timeout_seconds, self._counters, self._wake
-        )
+        self._commands = CommandRunner(handlers, cancel_timeout_seconds, self._counters, self._wake)
         self._stop = threading.Event()
         self._waker: Waker | None = None
         self._thread: threading.Thread | None = None
@@ -124,6 +131,17 @@ class EngineHook:
         except ProtocolError as exc:
             self._drop_invalid("stream_updated", exc)
 
+    def stream_resumed(self, request_id: str, kv_blocks: int, recomputed_tokens: int) -> None:
+        """A parked request runs again: `kv_blocks` it holds now, `recomputed_tokens` whose
+        KV was computed again (0 when it was copied back from host memory)."""
+        try:
+            if self._book.resumed(request_id, kv_blocks, recomputed_tokens):
+                self._counters.add("resumes")
+            else:
+                self._counters.add("unknown_stream_events")
+        except ProtocolError as exc:
+            self._drop_invalid("stream_resumed", exc)
+
     def stream_closed(self, request_id: str, reason: str) -> None:
         try:
             if not self._book.closed(request_id, reason):
@@ -184,7 +202,7 @@ class EngineHook:
             session = Session(
                 sock,
                 self._book,
-                cancels=self._cancels,
+                commands=self._commands,
                 counters=self._counters,
                 waker=waker,
                 stop=self._stop,

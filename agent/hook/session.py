@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 from kvwatch.errors import ProtocolError
 from kvwatch.hook.book import StreamBook
-from kvwatch.hook.cancels import CancelRunner
+from kvwatch.hook.commands import CommandRunner
 from kvwatch.hookwire.counters import EventCounters
 from kvwatch.hookwire.protocol import (
-    Cancel,
-    Cancelled,
+    Answer,
+    Command,
     ErrorMessage,
     LineFramer,
     Message,
@@ -61,10 +61,10 @@ class Waker:
 
 
 class Session:
-    """One connected socket: sends hello + snapshot + queued messages, receives cancels.
+    """One connected socket: sends hello + snapshot + queued messages, receives commands.
 
     Owned by the hook's I/O thread, which calls `run` once; `run` closes the socket, ends the
-    book's session and abandons cancels in flight before it returns. The socket is non-blocking,
+    book's session and abandons commands in flight before it returns. The socket is non-blocking,
     so a slow agent only ever stalls this thread's output, never an engine thread.
     Invariants: the outbound buffer is refilled from the bounded queue only below
     OUT_LOW_WATER_BYTES, so it stays bounded; when no byte could be written for
@@ -76,7 +76,7 @@ class Session:
         sock: socket.socket,
         book: StreamBook,
         *,
-        cancels: CancelRunner,
+        commands: CommandRunner,
         counters: EventCounters,
         waker: Waker,
         stop: threading.Event,
@@ -84,7 +84,7 @@ class Session:
     ) -> None:
         self._sock = sock
         self._book = book
-        self._cancels = cancels
+        self._commands = commands
         self._counters = counters
         self._waker = waker
         self._stop = stop
@@ -110,13 +110,13 @@ class Session:
         finally:
             selector.close()
             self._book.end_session()
-            self._cancels.abandon()
+            self._commands.abandon()
             self._sock.close()
 
     def _step(self, selector: selectors.BaseSelector) -> str | None:
         """Sends what is due, then waits for the socket, the waker or the next deadline."""
         now = time.monotonic()
-        self._queue_messages(self._cancels.poll(now))
+        self._queue_messages(self._commands.poll(now))
         self._refill()
         reason = self._flush(now)
         if reason is not None:
@@ -137,9 +137,9 @@ class Session:
     def _select_timeout(self) -> float:
         now = time.monotonic()
         deadlines = [now + MAX_SELECT_SECONDS]
-        cancel_deadline = self._cancels.next_deadline()
-        if cancel_deadline is not None:
-            deadlines.append(cancel_deadline)
+        command_deadline = self._commands.next_deadline()
+        if command_deadline is not None:
+            deadlines.append(command_deadline)
         if self._out:
             deadlines.append(self._waiting_since + self._send_timeout_seconds)
         return max(0.0, min(deadlines) - now)
@@ -161,8 +161,8 @@ class Session:
         if isinstance(item, ProtocolError):
             self._counters.add("malformed_received")
             _log.debug("dropped a malformed message from the agent: %s", item)
-        elif isinstance(item, Cancel):
-            answer = self._cancels.submit(item, time.monotonic())
+        elif isinstance(item, Command):
+            answer = self._commands.submit(item, time.monotonic())
             if answer is not None:
                 self._queue_messages([answer])
         elif isinstance(item, ErrorMessage):
@@ -192,8 +192,14 @@ class Session:
                 self._waiting_since = time.monotonic()
             self._out += line
             self._unsent_line_bytes.append(len(line))
-            if isinstance(message, Cancelled):
-                self._counters.add("cancels_answered")
+            if isinstance(message, Answer):
+                self._note_answer(message)
+
+    def _note_answer(self, answer: Answer) -> None:
+        """Counts an answer going out; a park that took effect marks its stream parked."""
+        self._counters.add(f"{answer.COMMAND}s_answered")
+        if answer.status == "parked":
+            self._book.parked(answer.request_id)
 
     def _flush(self, now: float) -> str | None:
         while self._out:

@@ -1,4 +1,5 @@
-"""One engine's connection to the hook server: its session, its streams, its cancels in flight."""
+"""One engine's connection to the hook server: its session, its streams, its commands (cancel,
+park) in flight."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvwatch.errors import ProtocolError
@@ -17,15 +17,17 @@ from kvwatch.hookserver.registry import (
 )
 from kvwatch.hookwire.counters import EventCounters
 from kvwatch.hookwire.protocol import (
-    Cancel,
-    Cancelled,
+    FEATURE_PARK,
+    Answer,
     Close,
+    Command,
     EngineInfo,
     ErrorMessage,
     LineFramer,
     LineTooLongError,
     Message,
     Open,
+    Resumed,
     UnsupportedVersionError,
     Update,
     Welcome,
@@ -37,7 +39,7 @@ RECV_BYTES = 64 * 1024
 MAX_PENDING_OUT_BYTES = 256 * 1024
 CLOSE_FLUSH_SECONDS = 1.0
 MAX_REMEMBERED_CANCELS = 1024
-GONE_STATUSES = ("cancelled", "already_finished")
+GONE_STATUSES = ("cancelled", "already_finished")  # the request is gone, whichever command
 
 _log = logging.getLogger("kvwatch.hookserver")
 
@@ -59,19 +61,20 @@ class PeerCredentials:
 
 
 @dataclass
-class _PendingCancel:
-    request_id: str
+class _PendingCommand:
+    command: Command
     answer: asyncio.Future[CancelOutcome]
 
 
 class EngineConnection:
-    """Serves one engine connection: reads its messages, sends cancels, matches the answers.
+    """Serves one engine connection: reads its messages, sends commands (cancel, park), matches
+    the answers.
 
     Owned by the event loop: `HookServer` runs `serve` then `finish` (or only `refuse`) as the
-    connection's task, and calls `cancel` and `close` from others. Invariants: stream messages
+    connection's task, and calls `command` and `close` from others. Invariants: stream messages
     count only after a valid hello and each hello forgets what the connection announced before;
     when `serve` returns, the registry holds none of this connection's streams and every
-    pending cancel is resolved; the agent never waits on the engine to accept output: what it
+    pending command is resolved; the agent never waits on the engine to accept output: what it
     writes stays under MAX_PENDING_OUT_BYTES or the connection is dropped, and the last flush
     before closing is bounded by CLOSE_FLUSH_SECONDS.
     """
@@ -95,7 +98,7 @@ class EngineConnection:
         self._counters = counters
         self._agent_name = agent_name
         self._framer = LineFramer(sender="engine")
-        self._pending: dict[str, _PendingCancel] = {}
+        self._pending: dict[str, _PendingCommand] = {}
         self._gone_by_cancel: OrderedDict[str, None] = OrderedDict()
         self._refusing = False
 
@@ -125,40 +128,28 @@ class EngineConnection:
         """Ends the connection at once; `serve` then forgets its streams and returns."""
         self._writer.transport.abort()
 
-    async def cancel(
-        self,
-        request_id: str,
-        reason: str,
-        evidence: Mapping[str, object],
-        correlation_id: str,
-        timeout_seconds: float,
-    ) -> CancelOutcome:
-        """Sends one `cancel` and waits for its `cancelled`; a missing answer is `failed`."""
+    async def command(self, command: Command, timeout_seconds: float) -> CancelOutcome:
+        """Sends one command and waits for its answer; a missing answer is `failed`."""
+        kind = command.TYPE
         try:
-            line = encode(
-                Cancel(
-                    request_id=request_id,
-                    reason=reason,
-                    correlation_id=correlation_id,
-                    evidence=dict(evidence),
-                )
-            )
+            line = encode(command)
         except ProtocolError as exc:
-            self._counters.add("cancel_send_failures")
-            return _failed(request_id, f"cancel not sent: {exc.message}")
+            self._counters.add(f"{kind}_send_failures")
+            return _failed(command.request_id, f"{kind} not sent: {exc.message}")
         answer: asyncio.Future[CancelOutcome] = asyncio.get_running_loop().create_future()
-        self._pending[correlation_id] = _PendingCancel(request_id, answer)
+        self._pending[command.correlation_id] = _PendingCommand(command, answer)
         try:
             if not self._write(line):
-                self._counters.add("cancel_send_failures")
-                return _failed(request_id, "cancel not sent: the engine connection is closed")
-            self._counters.add("cancels_sent")
+                self._counters.add(f"{kind}_send_failures")
+                detail = f"{kind} not sent: the engine connection is closed"
+                return _failed(command.request_id, detail)
+            self._counters.add(f"{kind}s_sent")
             return await asyncio.wait_for(answer, timeout_seconds)
         except asyncio.TimeoutError:
-            self._counters.add("cancel_timeouts")
-            return _failed(request_id, f"no answer within {timeout_seconds:g} s")
+            self._counters.add(f"{kind}_timeouts")
+            return _failed(command.request_id, f"no answer within {timeout_seconds:g} s")
         finally:
-            self._pending.pop(correlation_id, None)
+            self._pending.pop(command.correlation_id, None)
 
     def _receive(self, data: bytes) -> bool:
         """Handles every line `data` completes; False once the connection is refused."""
@@ -183,8 +174,10 @@ class EngineConnection:
                 self._update(item)
             elif isinstance(item, Close):
                 self._close_stream(item)
-            elif isinstance(item, Cancelled):
+            elif isinstance(item, Answer):
                 self._answered(item)
+            elif isinstance(item, Resumed):
+                self._resumed(item)
         except Exception:
             self._counters.add("internal_errors")
             _log.exception("engine connection %d: message handling failed", self.connection_id)
@@ -234,6 +227,8 @@ class EngineConnection:
             tokens_out=message.tokens_out,
             opened_ns=opened_ns(message.age_ms),
             kv_estimated=message.kv_estimated,
+            can_park=hello.can(FEATURE_PARK),
+            parked=message.parked,
         )
         self._gone_by_cancel.pop(message.request_id, None)
         if not self._registry.open(self.connection_id, stream):
@@ -251,12 +246,20 @@ class EngineConnection:
         known = self._registry.update(
             self.connection_id,
             request_id,
-            message.kv_blocks,
-            message.tokens_out,
+            kv_blocks=message.kv_blocks,
+            tokens_out=message.tokens_out,
             kv_estimated=message.kv_estimated,
             egress_buffer_full=message.egress_buffer_full,
         )
         if not known and request_id not in self._gone_by_cancel:
+            self._counters.add("unknown_request_events")
+
+    def _resumed(self, message: Resumed) -> None:
+        self._counters.add("resumes")
+        known = self._registry.update(
+            self.connection_id, message.request_id, kv_blocks=message.kv_blocks, parked=False
+        )
+        if not known:
             self._counters.add("unknown_request_events")
 
     def _close_stream(self, message: Close) -> None:
@@ -269,12 +272,17 @@ class EngineConnection:
         else:
             self._counters.add("unknown_request_events")
 
-    def _answered(self, message: Cancelled) -> None:
+    def _answered(self, message: Answer) -> None:
         pending = self._pending.get(message.correlation_id)
-        if pending is None or pending.request_id != message.request_id or pending.answer.done():
-            self._counters.add("unmatched_cancel_answers")
+        if (
+            pending is None
+            or pending.command.request_id != message.request_id
+            or pending.command.ANSWER is not type(message)
+            or pending.answer.done()
+        ):
+            self._counters.add(f"unmatched_{message.COMMAND}_answers")
         else:
-            self._counters.add("cancels_answered")
+            self._counters.add(f"{message.COMMAND}s_answered")
             pending.answer.set_result(
                 CancelOutcome(
                     request_id=message.request_id,
@@ -284,6 +292,8 @@ class EngineConnection:
                     detail=message.detail,
                 )
             )
+        if message.status == "parked":
+            self._registry.update(self.connection_id, message.request_id, parked=True)
         # The engine says the request is gone, whoever waits: forget it now and expect its close.
         gone = message.status in GONE_STATUSES
         if gone and self._registry.remove(self.connection_id, message.request_id):
@@ -313,13 +323,12 @@ class EngineConnection:
         return True
 
     def _end(self) -> None:
-        """Forgets this connection's streams and fails the cancels still waiting."""
+        """Forgets this connection's streams and fails the commands still waiting."""
         for pending in self._pending.values():
             if not pending.answer.done():
-                self._counters.add("cancels_lost")
-                pending.answer.set_result(
-                    _failed(pending.request_id, "the engine connection closed before it answered")
-                )
+                self._counters.add(f"{pending.command.TYPE}s_lost")
+                detail = "the engine connection closed before it answered"
+                pending.answer.set_result(_failed(pending.command.request_id, detail))
         self._pending.clear()
         self._registry.forget_owner(self.connection_id)
         self._counters.add("disconnects")

@@ -24,6 +24,7 @@ from kvwatch.hookserver.registry import (
     StreamRegistry,
 )
 from kvwatch.hookwire.counters import EventCounters
+from kvwatch.hookwire.protocol import Cancel, Command, Park
 from kvwatch.hookwire.types import CancelOutcome
 from kvwatch.sockets import Endpoint
 
@@ -179,6 +180,7 @@ class HookServer:
                 "device": hello.device,
                 "bytes_per_block": hello.bytes_per_block,
                 "kv_blocks_total": hello.kv_blocks_total,
+                "features": list(hello.features),
                 "streams": self._registry.owned_count(connection_id),
             }
             for connection_id, admitted in self._admitted.items()
@@ -198,22 +200,47 @@ class HookServer:
         Unknown request: `unknown_request` without sending anything. No answer in time or the
         engine disconnecting: `failed` (the KV must be assumed still held).
         """
+        return await self._command(Cancel, request_id, reason, evidence, timeout_seconds)
+
+    async def park(
+        self,
+        request_id: str,
+        reason: str,
+        evidence: Mapping[str, object],
+        timeout_seconds: float = 2.0,
+    ) -> CancelOutcome:
+        """Asks the engine owning the stream to park it (free its KV, keep the request);
+        the outcomes as for `cancel`, plus `parked` and `declined`."""
+        return await self._command(Park, request_id, reason, evidence, timeout_seconds)
+
+    async def _command(
+        self,
+        kind: type[Command],
+        request_id: str,
+        reason: str,
+        evidence: Mapping[str, object],
+        timeout_seconds: float,
+    ) -> CancelOutcome:
         if timeout_seconds <= 0:
             raise ConfigError(
-                f"cancel timeout must be positive, got {timeout_seconds}", "pass seconds > 0"
+                f"{kind.TYPE} timeout must be positive, got {timeout_seconds}", "pass seconds > 0"
             )
         owner = self._registry.owner_of(request_id)
         admitted = self._admitted.get(owner) if owner is not None else None
         connection = admitted.connection if admitted is not None else None
         if connection is None:
-            self._counters.add("cancels_unknown_request")
+            self._counters.add(f"{kind.TYPE}s_unknown_request")
             return CancelOutcome(
                 request_id, "unknown_request", 0, 0, detail="no connected engine announced it"
             )
-        correlation_id = f"c-{next(self._correlation_ids)}"
-        return await connection.cancel(
-            request_id, reason, evidence, correlation_id, timeout_seconds
+        correlation_id = f"{kind.TYPE[0]}-{next(self._correlation_ids)}"
+        command = kind(
+            request_id=request_id,
+            reason=reason,
+            correlation_id=correlation_id,
+            evidence=dict(evidence),
         )
+        return await connection.command(command, timeout_seconds)
 
     def counters(self) -> dict[str, int]:
         """Event counts since construction (monotonic; the gauges are `connection_count` and

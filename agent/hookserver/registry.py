@@ -6,6 +6,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvwatch.hookwire.counters import EventCounters
 from kvwatch.sockets import Endpoint
@@ -42,7 +43,15 @@ COUNTER_NAMES = (
     "cancels_lost",
     "cancels_unknown_request",
     "cancel_send_failures",
+    "parks_sent",
+    "parks_answered",
+    "park_timeouts",
+    "parks_lost",
+    "parks_unknown_request",
+    "park_send_failures",
+    "resumes",
     "unmatched_cancel_answers",
+    "unmatched_park_answers",
     "send_overflows",
     "callback_errors",
     "internal_errors",
@@ -61,6 +70,8 @@ class EngineStream:
     `opened_ns` is `time.monotonic_ns()` when the agent first learned of the request.
     `kv_estimated` marks `kv_blocks` as the hook's estimate rather than the engine's block
     table; `egress_buffer_full` says the engine's output buffer for it is at its cap.
+    `can_park` says its engine can park requests (hello `features`), `parked` that the
+    request is parked now: its KV is free, the request and its connection live on.
     """
 
     request_id: str
@@ -77,6 +88,8 @@ class EngineStream:
     opened_ns: int
     kv_estimated: bool = False
     egress_buffer_full: bool = False
+    can_park: bool = False
+    parked: bool = False
 
     @property
     def kv_bytes(self) -> int:
@@ -175,27 +188,13 @@ class StreamRegistry:
         self._notify(stream.request_id, stream)
         return True
 
-    def update(
-        self,
-        owner: int,
-        request_id: str,
-        kv_blocks: int,
-        tokens_out: int,
-        *,
-        kv_estimated: bool = False,
-        egress_buffer_full: bool = False,
-    ) -> bool:
-        """New numbers for a stream this owner announced; False when it owns no such stream."""
+    def update(self, owner: int, request_id: str, **changes: Any) -> bool:
+        """New values (EngineStream fields: numbers, parked) for a stream this owner
+        announced; False when it owns no such stream."""
         stream = self._streams.get(request_id)
         if stream is None or self._owner[request_id] != owner:
             return False
-        stream = dataclasses.replace(
-            stream,
-            kv_blocks=kv_blocks,
-            tokens_out=tokens_out,
-            kv_estimated=kv_estimated,
-            egress_buffer_full=egress_buffer_full,
-        )
+        stream = dataclasses.replace(stream, **changes)
         self._streams[request_id] = stream
         self._notify(request_id, stream)
         return True

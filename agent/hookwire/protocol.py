@@ -36,6 +36,10 @@ MAX_ID_CHARS = 256
 # object (2) may hold small lists or objects (3, 4). Deeper lines are malformed.
 MAX_NESTING = 4
 CANCEL_STATUSES = ("cancelled", "unknown_request", "already_finished", "failed")
+PARK_STATUSES = ("parked", "unknown_request", "already_finished", "declined", "failed")
+# What an engine can do besides cancel, as it says in `hello.features`.
+FEATURE_PARK = "park"
+MAX_FEATURES = 16
 
 Sender = Literal["engine", "agent"]
 
@@ -71,6 +75,11 @@ class EngineInfo(Message):
     bytes_per_block: int
     device: str
     kv_blocks_total: int
+    features: tuple[str, ...] = ()
+
+    def can(self, feature: str) -> bool:
+        """Whether the engine said it can do `feature` (e.g. FEATURE_PARK)."""
+        return feature in self.features
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,8 @@ class Open(Message):
     `local` is the server socket's own address, `remote` the client's, as the server sees them;
     `pid` is the process that owns that socket. `kv_estimated` (optional) says the KV numbers
     are the engine hook's estimate, not the engine's block table; `age_ms` (optional) how long
-    ago the request's stream began, so a re-announced stream keeps its age.
+    ago the request's stream began, so a re-announced stream keeps its age; `parked`
+    (optional) that the request is parked now (a re-announce keeps it).
     """
 
     TYPE: ClassVar[str] = "open"
@@ -113,6 +123,7 @@ class Open(Message):
     tokens_out: int = 0
     kv_estimated: bool = False
     age_ms: int = 0
+    parked: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,22 +152,12 @@ class Close(Message):
 
 
 @dataclass(frozen=True)
-class Cancel(Message):
-    """Agent → engine: free this request's KV; answered by one `Cancelled` with the same id."""
+class Answer(Message):
+    """Engine → agent: the outcome of one command, sent once it took effect (blocks really
+    free); `status` is one of the type's `STATUSES`."""
 
-    TYPE: ClassVar[str] = "cancel"
-    SENDER: ClassVar[Sender] = "agent"
-    request_id: str
-    reason: str
-    correlation_id: str
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Cancelled(Message):
-    """Engine → agent: the outcome of a cancel, sent after the blocks are really free."""
-
-    TYPE: ClassVar[str] = "cancelled"
+    STATUSES: ClassVar[tuple[str, ...]] = ()
+    COMMAND: ClassVar[str] = ""  # the type of the command it answers
     request_id: str
     status: str
     freed_blocks: int
@@ -166,16 +167,90 @@ class Cancelled(Message):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.status not in CANCEL_STATUSES:
+        if self.status not in self.STATUSES:
             raise ProtocolError(
-                f"'cancelled' message has status {self.status!r}",
-                f"use one of {', '.join(CANCEL_STATUSES)}",
+                f"'{self.TYPE}' message has status {self.status!r}",
+                f"use one of {', '.join(self.STATUSES)}",
             )
+
+
+@dataclass(frozen=True)
+class Command(Message):
+    """Agent → engine: do something to one request; answered by exactly one message of the
+    command's `ANSWER` type with the same `correlation_id`."""
+
+    SENDER: ClassVar[Sender] = "agent"
+    ANSWER: ClassVar[type[Answer]]
+    request_id: str
+    reason: str
+    correlation_id: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Cancelled(Answer):
+    """Engine → agent: the outcome of a cancel, sent after the blocks are really free."""
+
+    TYPE: ClassVar[str] = "cancelled"
+    COMMAND: ClassVar[str] = "cancel"
+    STATUSES: ClassVar[tuple[str, ...]] = CANCEL_STATUSES
+
+
+@dataclass(frozen=True)
+class Parked(Answer):
+    """Engine → agent: the outcome of a park, sent after the blocks are really free; the
+    request and its connection live on (docs/protocol.md, "Park and resume")."""
+
+    TYPE: ClassVar[str] = "parked"
+    COMMAND: ClassVar[str] = "park"
+    STATUSES: ClassVar[tuple[str, ...]] = PARK_STATUSES
+
+
+@dataclass(frozen=True)
+class Cancel(Command):
+    """Agent → engine: free this request's KV and end it; answered by one `Cancelled`."""
+
+    TYPE: ClassVar[str] = "cancel"
+    ANSWER: ClassVar[type[Answer]] = Cancelled
+
+
+@dataclass(frozen=True)
+class Park(Command):
+    """Agent → engine: free this request's KV now but keep the request and its connection;
+    the engine resumes it once its client reads again. Answered by one `Parked`; sent only
+    to an engine whose hello lists FEATURE_PARK."""
+
+    TYPE: ClassVar[str] = "park"
+    ANSWER: ClassVar[type[Answer]] = Parked
+
+
+@dataclass(frozen=True)
+class Resumed(Message):
+    """Engine → agent: a parked request runs again (its client read what was queued);
+    `kv_blocks` it holds now, `recomputed_tokens` whose KV had to be computed again (0 when
+    it came back from a host-memory copy)."""
+
+    TYPE: ClassVar[str] = "resumed"
+    request_id: str
+    kv_blocks: int
+    recomputed_tokens: int
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (EngineInfo, Welcome, ErrorMessage, Open, Update, Close, Cancel, Cancelled)
+    for cls in (
+        EngineInfo,
+        Welcome,
+        ErrorMessage,
+        Open,
+        Update,
+        Close,
+        Cancel,
+        Cancelled,
+        Park,
+        Parked,
+        Resumed,
+    )
 }
 
 
@@ -208,6 +283,14 @@ def _check_field(kind: str, name: str, expected: Any, value: Any) -> None:
     elif expected is Endpoint:
         ok = isinstance(value, Endpoint)
         wanted = 'an "ip:port" string'
+    elif expected == tuple[str, ...]:
+        ok = (
+            isinstance(value, tuple)
+            and len(value) <= MAX_FEATURES
+            and all(isinstance(item, str) and 0 < len(item) <= 64 for item in value)
+            and all(_is_text(item) for item in value)
+        )
+        wanted = f"a list of at most {MAX_FEATURES} short non-empty strings"
     else:
         ok = isinstance(value, dict) and all(isinstance(key, str) for key in value)
         wanted = "a JSON object"
@@ -237,7 +320,11 @@ def encode(message: Message) -> bytes:
     body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": message.TYPE}
     for f in fields(message):
         value = getattr(message, f.name)
-        body[f.name] = str(value) if isinstance(value, Endpoint) else value
+        if isinstance(value, Endpoint):
+            value = str(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        body[f.name] = value
     problem = _shape_problem(body)
     try:
         if problem is not None:
@@ -354,6 +441,8 @@ def _field_values(cls: type[Message], body: dict[str, Any]) -> dict[str, Any]:
         value = body[f.name]
         if f.name in ("local", "remote"):
             value = _parse_endpoint(cls.TYPE, f.name, value)
+        elif isinstance(value, list):
+            value = tuple(value)  # checked as a field of tuple type, refused by any other
         values[f.name] = value
     return values
 

@@ -16,6 +16,7 @@ from kvwatch.hook import CancelHandler, CancelOutcome, EngineHook, EngineInfo
 from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.hookwire.protocol import LineFramer, Message, encode
+from kvwatch.hookwire.types import ParkHandler
 from tests.waiting import wait_until_async
 
 WAIT_SECONDS = 5.0
@@ -71,10 +72,20 @@ def unknown_handler(request_id: str, reason: str) -> CancelOutcome:
 
 @contextlib.asynccontextmanager
 async def engine_hook(
-    path: str, handler: CancelHandler = unknown_handler, *, reconnect_seconds: float = 0.2
+    path: str,
+    handler: CancelHandler = unknown_handler,
+    *,
+    reconnect_seconds: float = 0.2,
+    park_handler: ParkHandler | None = None,
 ) -> AsyncIterator[EngineHook]:
     """A started EngineHook on `path` (fast reconnects unless told); stopped off the loop."""
-    hook = EngineHook(ENGINE_INFO, handler, path, reconnect_seconds=reconnect_seconds)
+    hook = EngineHook(
+        ENGINE_INFO,
+        handler,
+        path,
+        reconnect_seconds=reconnect_seconds,
+        park_handler=park_handler,
+    )
     hook.start()
     try:
         yield hook

@@ -12,7 +12,7 @@ BPF_BUILT := $(BPF_OBJ) agent/collect/bpf/csrc/kvwatch_bcc.c
 STAMP := $(VENV)/.kvwatch-installed
 DEMO_STAMP := $(VENV)/.kvwatch-demo-installed
 
-.PHONY: setup setup-demo bpf test demo bench lint clean kernel-matrix
+.PHONY: setup setup-demo bpf test demo bench lint clean kernel-matrix hook-wheel
 
 setup: $(STAMP) $(BPF_BUILT)
 
@@ -54,6 +54,12 @@ bench: setup
 	$(PY) -m bench.bench_egress
 	$(PY) -m bench.bench_soak
 
+# The engine side alone, standard library only, for engine images (docs/engines.md): builds
+# dist/kvwatch_hook-*.whl offline with this venv's setuptools, else python3's (70.1 or newer).
+HOOK_PY := $(if $(wildcard $(PY)),$(PY),python3)
+hook-wheel:
+	$(HOOK_PY) scripts/build_hook_wheel.py dist
+
 # mypy cannot follow setuptools' package-dir mapping through an editable install, so it
 # reads the package through a small tree of links that spells the import names.
 TYPECHECK := build/typecheck
@@ -65,4 +71,4 @@ lint: setup
 	MYPYPATH=$(TYPECHECK) $(VENV)/bin/mypy -p kvwatch -p tests -p bench
 
 clean:
-	rm -rf $(VENV) $(BPF_OBJ) build *.egg-info
+	rm -rf $(VENV) $(BPF_OBJ) build dist *.egg-info

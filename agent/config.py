@@ -44,6 +44,7 @@ from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StallThr
 
 Mode = Literal["observe", "enforce"]
 Action = Literal["cancel", "reset"]
+Switch = Literal["on", "off"]
 ENV_PREFIX = "KVWATCH_"
 # The most entries the kernel gives a BPF hash map: its bucket table (a power of two of
 # 16-byte buckets) must stay under 4 GiB (kernel/bpf/hashtab.c, htab_map_alloc).
@@ -70,6 +71,9 @@ log = logging.getLogger(__name__)
 class PolicyConfig:
     """When a stalled stream is acted on, and how (kvwatch.policy.rules.decide reads only this).
 
+    `park` and `park_seconds`: a stream whose engine can park (docs/protocol.md) is parked
+    once its socket has shown back-pressure for `park_seconds`, with no proof needed (its
+    KV is freed, nothing is cut); the cut (`actions`) waits for the stall's proof.
     Rules: deny lists win over allow lists; an empty allow list allows every value of its kind;
     a stream must pass every non-empty allow list. Port rules match the local port; `comms`
     are fnmatch globs on the process name; `cgroups` are fnmatch globs tried on the cgroup
@@ -82,6 +86,8 @@ class PolicyConfig:
     min_reader_bytes_per_second: int = DEFAULT_MIN_READER_BYTES_PER_SECOND
     min_kv_bytes: int = 0
     grace_seconds: float = 2.0
+    park: Switch = "on"
+    park_seconds: float = 2.0
     max_cancels_per_minute: int = 10
     allow_ports: tuple[int, ...] = ()
     deny_ports: tuple[int, ...] = ()
@@ -212,6 +218,7 @@ RANGES: dict[str, Range] = {
     "policy.min_reader_bytes_per_second": Range(1, 1 << 30, "bytes per second"),
     "policy.min_kv_bytes": Range(0, 1 << 50, "bytes"),
     "policy.grace_seconds": Range(0, DAY_SECONDS, "seconds"),
+    "policy.park_seconds": Range(0, DAY_SECONDS, "seconds", above_low=True),
     "policy.max_cancels_per_minute": Range(
         1, 1_000_000, "actions", note="use mode = observe to act never"
     ),

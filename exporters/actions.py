@@ -1,4 +1,5 @@
-"""Decisions, actions by outcome, and the KV cache reclaimed by cancels."""
+"""Decisions, actions by outcome, the KV cache reclaimed by cancels and freed by parks, and
+the parked requests that resumed."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def action_metrics(state: AgentState) -> Iterator[Metric]:
     yield decisions
     actions = CounterMetricFamily(
         "kvwatch_actions",
-        "Cancels and resets carried out, by reason and result.",
+        "Cancels, resets and parks carried out, by reason and result.",
         labels=["action", "reason", "result"],
     )
     tally = state.tally
@@ -31,6 +32,16 @@ def action_metrics(state: AgentState) -> Iterator[Metric]:
         "kvwatch_actions_reclaimed_kv_bytes",
         "KV cache the engines freed on cancel, in bytes.",
         value=tally.reclaimed_kv_bytes,
+    )
+    yield CounterMetricFamily(
+        "kvwatch_parks_freed_kv_bytes",
+        "KV cache the engines freed by parking requests (taken back when they resume), in bytes.",
+        value=tally.parked_kv_bytes,
+    )
+    yield CounterMetricFamily(
+        "kvwatch_parks_resumed",
+        "Parked requests that resumed: their client read again.",
+        value=tally.resumes,
     )
     yield GaugeMetricFamily(
         "kvwatch_policy_enforcing",

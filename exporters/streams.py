@@ -76,6 +76,12 @@ def stream_metrics(state: AgentState, durations: EpisodeDurations) -> Iterator[M
         value=sum(1 for view in views if view.action_failed),
     )
     yield GaugeMetricFamily(
+        "kvwatch_streams_parked",
+        "Streams whose request is parked: its KV freed, the request and connection kept "
+        "until its client reads again.",
+        value=sum(1 for view in views if view.engine is not None and view.engine.parked),
+    )
+    yield GaugeMetricFamily(
         "kvwatch_streams_stalled_kv_held_bytes",
         "KV cache held by requests whose client stalled, in bytes.",
         value=kv_bytes[StreamState.STALLED],

@@ -1,7 +1,7 @@
 """The actions the agent can take on a stalled stream, by the name `policy.actions` gives
 them, and the kernel check before any of them. Each action is a module of its own
-(kvwatch.act.cancel, kvwatch.act.reset): a new one is one more module here and a rule in
-kvwatch.policy.rules that can choose it."""
+(kvwatch.act.cancel, kvwatch.act.reset, kvwatch.act.park): a new one is one more module here
+and a rule in kvwatch.policy that can choose it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from kvwatch.act.cancel import Cancel
 from kvwatch.act.confirm import KernelCheck, check
 from kvwatch.act.episodes import Unfinished
 from kvwatch.act.kernel import SocketWorker
+from kvwatch.act.park import Park
 from kvwatch.act.reset import Reset
 from kvwatch.act.tally import ActionTally
 from kvwatch.collect.diag.kernel_view import CheckedViews
@@ -43,6 +44,7 @@ class Actions:
             for action in (
                 Cancel(hooks, self.tally, self.cancels),
                 Reset(self.worker, hooks, self.tally),
+                Park(hooks, self.tally),
             )
         }
 

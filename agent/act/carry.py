@@ -16,6 +16,7 @@ from kvwatch.act.actions import Actions
 from kvwatch.act.episodes import Episode, Unfinished
 from kvwatch.act.record import Recorder
 from kvwatch.policy.decide import Decider, retry_after
+from kvwatch.policy.park import NOT_NEWS
 from kvwatch.policy.rules import Decision
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.view import StreamView
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 # Action results that changed something; the others (the target was already gone, or the
 # action failed) leave the decision's budget unit to be given back.
-TOOK_EFFECT = {"cancelled", "reset"}
+TOOK_EFFECT = {"cancelled", "reset", "parked"}
 # An action that failed (or raised) is tried again after each of these delays, within its
 # stall episode and on the kernel's confirmation each time; the budget is charged once.
 RETRY_DELAYS_SECONDS = (1.0, 2.0, 4.0)
@@ -51,6 +52,24 @@ class Executor:
         if episode.acted:
             return None
         return await self._handle(episode, view, self.decider.decide(view))
+
+    async def on_pressure(self, episode: Episode, view: StreamView) -> float | None:
+        """A stream under back-pressure for `park_seconds`, not stalled yet: once per
+        episode, the park rule decides; a park is carried out once, without the kernel's
+        confirmation (it cuts nothing) and without the budget (it bounds cuts). Returns when
+        to look at the stream again for a park, or None."""
+        if episode.park_decided:
+            return None
+        decision = self.decider.decide_park(view)
+        if decision.reason in NOT_NEWS:
+            return None
+        ref, evidence = self.recorder.decision(view, decision, episode, None)
+        if decision.verdict == "skip":
+            return retry_after(decision)
+        episode.park_decided = True
+        if decision.verdict == "act":
+            await self._carry_out(view, Unfinished(decision.reason, ref, evidence, ("park",)))
+        return None
 
     async def _handle(self, episode: Episode, view: StreamView, decision: Decision) -> float | None:
         kernel: dict[str, Any] | None = None

@@ -40,7 +40,8 @@ class Episode:
     no longer: the conditions lapsed without progress, and may begin again); `logged` the
     decision last written ((verdict, reason), its reference, its evidence); `acted` whether
     it got "act" or "would_act"; `unfinished` the actions still to try; `failed` what failed
-    on every try (for `streams`, `top` and the metrics)."""
+    on every try (for `streams`, `top` and the metrics); `park_decided` whether the park
+    rule (kvwatch.policy.park) has had its one decision in the episode."""
 
     number: int
     stalled_since_ns: int = 0
@@ -48,6 +49,7 @@ class Episode:
     acted: bool = False
     unfinished: Unfinished | None = None
     failed: dict[str, Any] | None = None
+    park_decided: bool = False
 
 
 class Episodes:

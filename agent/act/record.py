@@ -19,6 +19,8 @@ from kvwatch.streams.timeline import Timelines, connection_id
 from kvwatch.streams.view import StreamView
 
 EVENTS_KEPT = 2000
+# The timeline event of each action's outcome.
+OUTCOME_EVENTS = {"cancel": "cancel_acknowledged", "reset": "reset_done", "park": "parked"}
 
 
 def evidence_of(view: StreamView, kernel: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -86,7 +88,7 @@ class Recorder:
         self, view: StreamView, ref: dict[str, Any], action: str, result: dict[str, Any]
     ) -> None:
         self.audit.record_outcome(ref, action, result)
-        event = "cancel_acknowledged" if action == "cancel" else "reset_done"
+        event = OUTCOME_EVENTS[action]
         self.note(view, time.monotonic_ns(), event, decision_id=ref["decision_id"], **result)
         self.add_event("outcome", **ref, action=action, **result)
 

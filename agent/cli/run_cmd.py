@@ -100,6 +100,22 @@ async def serve(daemon: Daemon, listener: socket.socket) -> None:
     default=None,
     help="Never act on a stream younger than this.",
 )
+@click.option(
+    "--park",
+    type=click.Choice(["on", "off"]),
+    default=None,
+    help="Park (on, default): free the KV of a stream whose client stopped reading, "
+    "after --park-seconds, without cutting it; engines that can park resume it when the "
+    "client reads again. Cutting still waits for the stall's proof.",
+)
+@setting_option(
+    "--park-seconds",
+    key="policy.park_seconds",
+    metavar="SECONDS",
+    default=None,
+    help="Back-pressure (zero window or full send buffer, no ACK progress) that parks a "
+    "stream [default: 2.0].",
+)
 @setting_option(
     "--max-cancels-per-minute",
     key="policy.max_cancels_per_minute",
@@ -144,6 +160,8 @@ def command(
     actions: tuple[str, ...],
     min_kv_bytes: int | None,
     grace_seconds: float | None,
+    park: str | None,
+    park_seconds: float | None,
     max_cancels_per_minute: int | None,
     ports: tuple[int, ...],
     pid: int | None,
@@ -169,6 +187,7 @@ def command(
     Examples:
       kvwatch run --port 8000                         observe the engine on port 8000
       kvwatch run --port 8000 --mode enforce --action cancel
+      kvwatch run --port 8000 --mode enforce --park-seconds 1.5
       kvwatch run --config /etc/kvwatch/kvwatch.toml
     """
     handler = logging.StreamHandler()
@@ -182,6 +201,8 @@ def command(
         "policy.actions": actions or None,
         "policy.min_kv_bytes": min_kv_bytes,
         "policy.grace_seconds": grace_seconds,
+        "policy.park": park,
+        "policy.park_seconds": park_seconds,
         "policy.max_cancels_per_minute": max_cancels_per_minute,
         **collector_flags(
             ports, pid, backend, send_mode, max_sockets, stall_seconds, min_reader_rate, procfs_root

@@ -76,7 +76,14 @@ class Daemon:
         self.listeners = ListeningPorts(config.path.procfs)
         self.executor = Executor(self.actions, self.recorder, Decider(config.policy), self.joiner)
         self.episodes = Episodes()
-        self.stall_timers = StallTimers(self.stall_thresholds, self._read_sample, self._on_stalled)
+        parking = config.policy.park == "on"
+        self.stall_timers = StallTimers(
+            self.stall_thresholds,
+            self._read_sample,
+            self._on_stalled,
+            on_pressure=self._on_pressure if parking else None,
+            park_seconds=config.policy.park_seconds,
+        )
         self.durations = EpisodeDurations()
         self.registry = agent_registry(self, self.durations)
         self.opened: OpenedCollector | None = None
@@ -320,6 +327,15 @@ class Daemon:
         view = self.joiner.view(sample, engine, now_ns, self.stall_thresholds, judgement, relay)
         return await self.executor.on_stalled(episode, view)
 
+    async def _on_pressure(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
+        """The stall timers' pressure handler: the park rule's decision on the stream, and
+        the park carried out (kvwatch.act.carry); returns when to look again, or None."""
+        episode = self.episodes.of(sample)
+        engine, relay = self.behind(sample)
+        now_ns = time.monotonic_ns()
+        view = self.joiner.view(sample, engine, now_ns, self.stall_thresholds, judgement, relay)
+        return await self.executor.on_pressure(episode, view)
+
     def _note_stalled(self, sample: SocketSample, judgement: StallJudgement) -> None:
         timeline = self.timelines.of(connection_id(sample.local, sample.remote))
         if not any(e["event"] == "stalled" for e in timeline.entries):
@@ -350,6 +366,9 @@ class Daemon:
 
     def _on_stream_change(self, request_id: str, stream: EngineStream | None) -> None:
         if stream is not None:
+            before = self._live.get(request_id)
+            if before is not None and before.parked and not stream.parked:
+                self._resumed(stream)
             self._live[request_id] = stream
             self.timelines.bind(
                 connection_id(stream.local, stream.remote), request_id, stream.opened_ns
@@ -360,3 +379,10 @@ class Daemon:
             timeline = self.timelines.find(request_id)
             if timeline is not None and not timeline.closed:
                 timeline.add(time.monotonic_ns(), "engine_closed_stream")
+
+    def _resumed(self, stream: EngineStream) -> None:
+        """A parked request runs again: counted, and on its timeline."""
+        self.actions.tally.resumes += 1
+        self.timelines.of(connection_id(stream.local, stream.remote)).add(
+            time.monotonic_ns(), "resumed", kv_blocks=stream.kv_blocks
+        )

@@ -257,7 +257,11 @@ class EngineConnection:
     def _resumed(self, message: Resumed) -> None:
         self._counters.add("resumes")
         known = self._registry.update(
-            self.connection_id, message.request_id, kv_blocks=message.kv_blocks, parked=False
+            self.connection_id,
+            message.request_id,
+            kv_blocks=message.kv_blocks,
+            parked=False,
+            parked_blocks=0,
         )
         if not known:
             self._counters.add("unknown_request_events")
@@ -293,7 +297,12 @@ class EngineConnection:
                 )
             )
         if message.status == "parked":
-            self._registry.update(self.connection_id, message.request_id, parked=True)
+            self._registry.update(
+                self.connection_id,
+                message.request_id,
+                parked=True,
+                parked_blocks=message.freed_blocks,
+            )
         # The engine says the request is gone, whoever waits: forget it now and expect its close.
         gone = message.status in GONE_STATUSES
         if gone and self._registry.remove(self.connection_id, message.request_id):

@@ -71,7 +71,8 @@ class EngineStream:
     `kv_estimated` marks `kv_blocks` as the hook's estimate rather than the engine's block
     table; `egress_buffer_full` says the engine's output buffer for it is at its cap.
     `can_park` says its engine can park requests (hello `features`), `parked` that the
-    request is parked now: its KV is free, the request and its connection live on.
+    request is parked now: its KV is free, the request and its connection live on;
+    `parked_blocks` the blocks its park freed (0 when not parked, or re-announced parked).
     """
 
     request_id: str
@@ -90,6 +91,7 @@ class EngineStream:
     egress_buffer_full: bool = False
     can_park: bool = False
     parked: bool = False
+    parked_blocks: int = 0
 
     @property
     def kv_bytes(self) -> int:

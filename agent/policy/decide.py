@@ -5,6 +5,7 @@ keeps the budget they draw on. No I/O: kvwatch.act carries the decision out and 
 from __future__ import annotations
 
 from kvwatch.config import PolicyConfig
+from kvwatch.policy.park import decide_park
 from kvwatch.policy.rules import CancelBudget, Candidate, Decision, Owner, decide
 from kvwatch.streams.view import StreamView
 
@@ -54,6 +55,9 @@ def candidate_of(view: StreamView) -> Candidate:
         has_engine_hook=engine is not None,
         relay=_relay_owner(view),
         relay_status=view.relay.status if view.relay is not None else None,
+        can_park=engine is not None and engine.can_park,
+        parked=engine is not None and engine.parked,
+        parked_kv_bytes=engine.parked_blocks * engine.bytes_per_block if engine else 0,
     )
 
 
@@ -76,3 +80,7 @@ class Decider:
 
     def decide(self, view: StreamView) -> Decision:
         return decide(candidate_of(view), self.policy, self.budget, view.now_ns / 1e9)
+
+    def decide_park(self, view: StreamView) -> Decision:
+        """Whether to park the stream now (kvwatch.policy.park); takes no budget."""
+        return decide_park(candidate_of(view), self.policy)

@@ -70,7 +70,9 @@ class Candidate:
     it can be cancelled. `relay` is the proxy that writes the socket and `relay_status` how
     its upstream joined the request (kvwatch.streams.relay); for the engine's own socket
     behind a proxy, the proxy that reads it and "relayed"; both None for a socket no relay
-    writes or reads.
+    writes or reads. `can_park` says the engine can park the request (kvwatch.policy.park),
+    `parked` that it is parked now, `parked_kv_bytes` the KV its park freed (taken back on
+    resume).
     """
 
     request_id: str | None
@@ -87,10 +89,19 @@ class Candidate:
     has_engine_hook: bool
     relay: Owner | None = None
     relay_status: str | None = None
+    can_park: bool = False
+    parked: bool = False
+    parked_kv_bytes: int = 0
 
     @property
     def owner(self) -> Owner:
         return Owner(self.comm, self.cgroup_path, self.container_id, self.pod_uid)
+
+    @property
+    def claimed_kv_bytes(self) -> int | None:
+        """The KV the request holds, plus what a park freed and a resume takes back: what
+        `min_kv_bytes` is compared with (a parked request holds none now)."""
+        return None if self.kv_bytes is None else self.kv_bytes + self.parked_kv_bytes
 
 
 @dataclass(frozen=True)
@@ -144,7 +155,7 @@ class CancelBudget:
             self._taken_s.pop()
 
 
-def _skip(reason: str, detail: str) -> Decision:
+def skip(reason: str, detail: str) -> Decision:
     return Decision("skip", (), reason, detail)
 
 
@@ -194,9 +205,33 @@ def _not_allowed(candidate: Candidate, config: PolicyConfig) -> str | None:
 def _refusal(candidate: Candidate, config: PolicyConfig) -> Decision | None:
     """The first of checks 1-5 (module docstring) that fails, as a skip; None if all pass."""
     if candidate.state is not StreamState.STALLED:
-        return _skip("not_stalled", f"state is {candidate.state.value}")
+        return skip("not_stalled", f"state is {candidate.state.value}")
+    refusal = owner_refusal(candidate, config)
+    if refusal is not None:
+        return refusal
+    if candidate.relay_status == "relayed":
+        return skip(
+            "relayed",
+            "the engine's peer is a proxy that relays this socket to a client socket "
+            "carrying its data: that socket's stall decides, with the client's own buffers "
+            "(the relay link names it)",
+        )
+    if candidate.relay_status == "request_ended":
+        return skip(
+            "request_ended",
+            "the engine request behind this proxy socket has ended; the rest of its response "
+            "waits in buffers and pins no KV",
+        )
+    if candidate.relay_status == "request_cancelled":
+        return None
+    return size_refusal(candidate, config, candidate.claimed_kv_bytes)
+
+
+def owner_refusal(candidate: Candidate, config: PolicyConfig) -> Decision | None:
+    """Checks 2 and 3 (module docstring): the owner is known, no deny rule matches and
+    every allow list does; a skip naming the first that fails, or None."""
     if candidate.owner_pid <= 0:
-        return _skip(
+        return skip(
             "owner_unknown",
             "no process owns the socket in this procfs (orphaned, or in a pid namespace the "
             "agent cannot see): rules cannot be checked; mount the host's /proc "
@@ -204,40 +239,33 @@ def _refusal(candidate: Candidate, config: PolicyConfig) -> Decision | None:
         )
     denied = _denied(candidate, config)
     if denied is not None:
-        return _skip("denied_by_rule", denied)
+        return skip("denied_by_rule", denied)
     not_allowed = _not_allowed(candidate, config)
     if not_allowed is not None:
-        return _skip("not_allowed_by_rule", not_allowed)
-    if candidate.relay_status == "relayed":
-        return _skip(
-            "relayed",
-            "the engine's peer is a proxy that relays this socket to a client socket "
-            "carrying its data: that socket's stall decides, with the client's own buffers "
-            "(the relay link names it)",
-        )
-    if candidate.relay_status == "request_ended":
-        return _skip(
-            "request_ended",
-            "the engine request behind this proxy socket has ended; the rest of its response "
-            "waits in buffers and pins no KV",
-        )
-    if candidate.relay_status == "request_cancelled":
-        return None
+        return skip("not_allowed_by_rule", not_allowed)
+    return None
+
+
+def size_refusal(
+    candidate: Candidate, config: PolicyConfig, kv_bytes: int | None
+) -> Decision | None:
+    """Checks 4 and 5 (module docstring) for a stream that holds (or will take back)
+    `kv_bytes` of KV, None when no engine announced it; a skip, or None."""
     if candidate.age_seconds < config.grace_seconds:
-        return _skip(
+        return skip(
             "in_grace",
             f"stream age {candidate.age_seconds:.2f} s < grace_seconds {config.grace_seconds} s",
         )
-    if candidate.kv_bytes is None and config.min_kv_bytes > 0:
-        return _skip(
+    if kv_bytes is None and config.min_kv_bytes > 0:
+        return skip(
             "unknown_kv",
             f"no engine announced the stream; min_kv_bytes {config.min_kv_bytes} "
             "needs a known KV size",
         )
-    if candidate.kv_bytes is not None and candidate.kv_bytes < config.min_kv_bytes:
-        return _skip(
+    if kv_bytes is not None and kv_bytes < config.min_kv_bytes:
+        return skip(
             "below_min_kv",
-            f"holds {candidate.kv_bytes} KV bytes < min_kv_bytes {config.min_kv_bytes}",
+            f"holds {kv_bytes} KV bytes < min_kv_bytes {config.min_kv_bytes}",
         )
     return None
 
@@ -276,13 +304,13 @@ def decide(
         return refusal
     actions = possible_actions(candidate, config)
     if not actions:
-        return _skip(
+        return skip(
             "no_action_possible",
             f"policy.actions is {', '.join(config.actions)} but cancel needs an engine hook; "
             "add reset to act on streams of engines without it",
         )
     if not budget.try_take(now_s):
-        return _skip(
+        return skip(
             "budget_exhausted",
             f"{budget.per_minute} actions in the last 60 s (max_cancels_per_minute)",
         )

@@ -22,9 +22,15 @@ STATE_STYLES = {
 
 
 def state_label(row: dict[str, Any]) -> str:
-    """The stream's state, and whether its action failed on every try (`action_failed`)."""
+    """The stream's state, whether its request is parked (its KV freed, the request kept)
+    and whether its action failed on every try (`action_failed`)."""
     state = str(row.get("state", "?"))
-    return f"{state} (action failed)" if row.get("action_failed") else state
+    marks = [
+        mark
+        for key, mark in (("parked", "parked"), ("action_failed", "action failed"))
+        if row.get(key)
+    ]
+    return f"{state} ({', '.join(marks)})" if marks else state
 
 
 def human_bytes(count: int) -> str:

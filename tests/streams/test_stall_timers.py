@@ -315,3 +315,34 @@ def test_a_new_stall_that_begins_while_the_last_one_is_handled_is_not_lost() -> 
         timers.close()
 
     run_async(scenario())
+
+
+def test_with_park_seconds_the_pressure_handler_comes_first_once_then_the_stall() -> None:
+    kernel, on_pressure, on_stalled = Kernel(), Handler(answers=(0.05,)), Handler()
+    policy = StallThresholds(stall_seconds=0.5, min_reader_bytes_per_second=1_000_000)
+
+    async def scenario() -> None:
+        start = time.monotonic_ns()
+        sample = pressed(start)
+        kernel.sockets[KEY] = sample
+        timers = StallTimers(
+            policy, kernel.read, on_stalled, on_pressure=on_pressure, park_seconds=0.2
+        )
+        timers.observe(sample)
+        await wait_until(lambda: len(on_pressure.calls) == 2, timeout_seconds=2)
+        first_ns, _, judgement = on_pressure.calls[0]
+        assert start + 200 * MS <= first_ns < start + 400 * MS  # at park_seconds, not later
+        assert not judgement.stalled and not on_stalled.calls
+        assert on_pressure.calls[1][0] - first_ns >= 50 * MS  # its retry, as it asked
+        for _ in range(5):  # observations of the same episode: no third pressure call
+            timers.observe(sample)
+        await wait_until(lambda: bool(on_stalled.calls), timeout_seconds=2)
+        assert on_stalled.calls[0][0] >= start + policy.stall_ns
+        assert len(on_pressure.calls) == 2
+        again = pressed(time.monotonic_ns(), bytes_acked=2000)  # progress: a new episode
+        kernel.sockets[KEY] = again
+        timers.observe(again)
+        await wait_until(lambda: len(on_pressure.calls) == 3, timeout_seconds=2)
+        timers.close()
+
+    run_async(scenario())

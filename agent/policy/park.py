@@ -1,0 +1,67 @@
+"""The park rule: whether to park one stream now. Pure logic, no I/O, no clock.
+
+Parking frees a request's KV and keeps the request and its connection; the engine resumes it
+when its client reads again (docs/protocol.md, "Park and resume"). It cuts no one and loses no
+byte, so it needs no proof that the reader is gone, only back-pressure that has lasted
+`policy.park_seconds`. `decide_park` checks, in this order:
+1. parking is on (`policy.park`; "park_off") and the stream can be parked: an engine that
+   says it can park announced it on this very socket (behind a proxy: the engine's own
+   socket, whose back-pressure is what pins the KV), it is not parked already and holds KV
+   ("not_parkable"). Neither skip is news: the caller does not write it down;
+2. every stall condition has held for `park_seconds` ("not_yet");
+3. the owner is known and the deny and allow rules pass, as for any action
+   (kvwatch.policy.rules, checks 2-3);
+4. the stream is past `grace_seconds` and holds at least `min_kv_bytes` (checks 4-5).
+Then the verdict is "act" in enforce mode and "would_act" in observe mode, with the action
+"park". Parks take nothing from the budget of `max_cancels_per_minute`: that bounds cuts.
+"""
+
+from __future__ import annotations
+
+from kvwatch.config import PolicyConfig
+from kvwatch.policy.rules import Candidate, Decision, Verdict, owner_refusal, size_refusal, skip
+
+# Skips that say only that parking does not apply to the stream: never news for the audit.
+NOT_NEWS = {"park_off", "not_parkable", "not_yet"}
+_MIB = 1 << 20
+
+
+def _not_parkable(candidate: Candidate) -> str | None:
+    if candidate.request_id is None or not candidate.has_engine_hook:
+        return "no engine announced a request on this socket"
+    if candidate.relay_status not in (None, "relayed"):
+        return "a proxy's client socket: the engine's own socket is the one parked"
+    if not candidate.can_park:
+        return 'its engine cannot park (no "park" in its hello\'s features)'
+    if candidate.parked:
+        return "already parked"
+    if not candidate.kv_bytes:
+        return "it holds no KV"
+    return None
+
+
+def decide_park(candidate: Candidate, config: PolicyConfig) -> Decision:
+    """Whether to park `candidate` now (see the module docstring)."""
+    if config.park == "off":
+        return skip("park_off", "policy.park is off")
+    not_parkable = _not_parkable(candidate)
+    if not_parkable is not None:
+        return skip("not_parkable", not_parkable)
+    if candidate.stalled_seconds < config.park_seconds:
+        return skip(
+            "not_yet",
+            f"back-pressure for {candidate.stalled_seconds:.2f} s < park_seconds "
+            f"{config.park_seconds} s",
+        )
+    refusal = owner_refusal(candidate, config) or size_refusal(
+        candidate, config, candidate.claimed_kv_bytes
+    )
+    if refusal is not None:
+        return refusal
+    verdict: Verdict = "act" if config.enforce else "would_act"
+    kv_mib = (candidate.kv_bytes or 0) / _MIB
+    detail = (
+        f"no ACK progress under back-pressure for {candidate.stalled_seconds:.2f} s "
+        f"(park_seconds {config.park_seconds} s), {kv_mib:.1f} MiB KV; park"
+    )
+    return Decision(verdict, ("park",), "backpressure", detail)

@@ -28,6 +28,8 @@ EVENT_TEXT = {
     "decision": "decision",
     "cancel_acknowledged": "engine acknowledged the cancel",
     "reset_done": "connection reset by the agent",
+    "parked": "engine parked the request: its KV freed, the request and connection kept",
+    "resumed": "the client read again: the engine resumed the request",
     "engine_closed_stream": "engine closed the stream",
     "closed": "connection closed",
 }
@@ -51,7 +53,7 @@ def describe(entry: dict[str, Any]) -> str:
     text = str(EVENT_TEXT.get(entry["event"], entry["event"]))
     if entry["event"] == "decision":
         text += f": {entry['verdict']} ({entry['reason']}) {', '.join(entry['actions'])}"
-    if entry["event"] == "cancel_acknowledged":
+    if entry["event"] in ("cancel_acknowledged", "parked"):
         text += (
             f": {entry['status']}, freed {entry['freed_blocks']} blocks "
             f"({human_bytes(entry['freed_bytes'])})"

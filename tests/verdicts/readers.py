@@ -38,7 +38,9 @@ class Reader:
     reading for good after `read_seconds` (None: never; 0: right after the first bytes).
     The server's orderly close counts as a reset (the token server never closes), unless
     `eof_ends` (an HTTP response that ends): then it sets `ended_ns`. With `half_close` it
-    shuts its sending side after the request (the server's socket is then in CLOSE_WAIT)."""
+    shuts its sending side after the request (the server's socket is then in CLOSE_WAIT).
+    With `pause_after`, it stops reading that many seconds in, for `pause_seconds`, then
+    reads as fast as it can (someone who switched tabs and came back)."""
 
     name: str
     buffer: Buffer
@@ -52,6 +54,8 @@ class Reader:
     reset_ns: int = 0
     eof_ends: bool = False
     half_close: bool = False
+    pause_after: float | None = None
+    pause_seconds: float = 0.0
     ended_ns: int = 0
     received: bytearray = field(default_factory=bytearray)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -106,6 +110,12 @@ class Reader:
             now = time.monotonic()
             if self.read_seconds is not None and now - start >= self.read_seconds:
                 return
+            if self.pause_after is not None and now - start >= self.pause_after:
+                self.pause_after = None
+                if self.stop.wait(self.pause_seconds):
+                    return
+                self.rate, phase_start, phase_bytes = 1 << 24, time.monotonic(), 0
+                continue
             self.max_unread = max(self.max_unread, _unread_bytes(self.sock))
             allowed = 1 << 16 if now < fast_until else int(self.rate * (now - phase_start))
             want = min(allowed - phase_bytes, READ_QUANTUM_BYTES if now >= fast_until else 1 << 16)

@@ -36,6 +36,12 @@ COUNTER_NAMES = (
     "parks_refused_busy",
     "park_answers_lost",
     "resumes",
+    "detaches_received",
+    "detaches_answered",
+    "detach_timeouts",
+    "detach_handler_errors",
+    "detaches_refused_busy",
+    "detach_answers_lost",
     "malformed_received",
     "agent_errors_received",
     "internal_errors",
@@ -52,6 +58,7 @@ class _LiveStream:
     opened_at: float  # time.monotonic() when the engine announced it
     egress_buffer_full: bool = False
     parked: bool = False
+    detached: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,16 +129,23 @@ class StreamBook:
                 return False
             stream.kv_blocks, stream.tokens_out = kv_blocks, tokens_out
             stream.egress_buffer_full = egress_buffer_full
+            stream.detached = stream.detached and not egress_buffer_full  # coupled again
             if request_id not in self._update_queued and self._enqueue(_PendingUpdate(request_id)):
                 self._update_queued.add(request_id)
             return True
 
-    def parked(self, request_id: str) -> None:
-        """The engine parked the request (its answer is on its way): a re-announce says so."""
+    def answered(self, request_id: str, status: str) -> None:
+        """A command's answer is on its way: "parked" or "detached" marks the stream so that a
+        re-announce says so. A detach answered after the stream's buffer was reported full
+        (coupled again meanwhile) marks nothing."""
         with self._lock:
             stream = self._streams.get(request_id)
-            if stream is not None:
+            if stream is None:
+                return
+            if status == "parked":
                 stream.parked = True
+            elif status == "detached":
+                stream.detached = not stream.egress_buffer_full
 
     def resumed(self, request_id: str, kv_blocks: int, recomputed_tokens: int) -> bool:
         """The parked request runs again; queues its `resumed`. False when it is not live."""
@@ -225,4 +239,5 @@ class StreamBook:
             kv_estimated=stream.kv_estimated,
             age_ms=int((time.monotonic() - stream.opened_at) * 1000),
             parked=stream.parked,
+            detached=stream.detached,
         )

@@ -1,8 +1,9 @@
-"""Runs the engine's handlers for the agent's commands (cancel, park) off the hook's I/O
-thread, each call with a deadline."""
+"""Runs the engine's handlers for the agent's commands (cancel, park, detach) off the hook's
+I/O thread, each call with a deadline."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from kvwatch.errors import ProtocolError
 from kvwatch.hookwire.counters import EventCounters
-from kvwatch.hookwire.protocol import Answer, Command
+from kvwatch.hookwire.protocol import Answer, Command, plural
 from kvwatch.hookwire.types import CancelHandler, CancelOutcome
 
 MAX_COMMANDS_IN_FLIGHT = 32
@@ -29,11 +30,11 @@ class _Pending:
 
 class CommandRunner:
     """Runs each command on its own daemon thread with the engine's handler for its type and
-    turns the outcome into the command's answer (`cancelled`, `parked`).
+    turns the outcome into the command's answer (`cancelled`, `parked`, `detached`).
 
     Owned by the hook's I/O thread (`submit`, `poll`, `next_deadline`, `abandon`); handler
     threads only put their result on a thread-safe queue and wake the I/O thread. Counters
-    are per command type: `cancels_received`, `parks_received`, `cancel_timeouts` ...
+    are per command type: `cancels_received`, `detaches_received`, `park_timeouts` ...
     Invariant: every submitted command gets exactly one answer from `submit` or `poll` — the
     handler's outcome, or `failed` at its deadline — unless its session ends first (`abandon`);
     a result that arrives after its answer was given is discarded. A handler that never returns
@@ -60,12 +61,12 @@ class CommandRunner:
         """Starts the handler; returns an immediate `failed` answer when it cannot run (too
         many in flight, or the engine has no handler for the command: it never said it can)."""
         kind = command.TYPE
-        self._counters.add(f"{kind}s_received")
+        self._counters.add(f"{plural(kind)}_received")
         handler = self._handlers.get(kind)
         if handler is None:
             return _failed(command, f"this engine cannot {kind} (no {kind} handler)")
         if len(self._pending) >= MAX_COMMANDS_IN_FLIGHT:
-            self._counters.add(f"{kind}s_refused_busy")
+            self._counters.add(f"{plural(kind)}_refused_busy")
             detail = f"{MAX_COMMANDS_IN_FLIGHT} commands already in flight; retry"
             return _failed(command, detail)
         ticket = next(self._tickets)
@@ -125,14 +126,10 @@ class CommandRunner:
         kind = command.TYPE
         if isinstance(result, CancelOutcome):
             try:
-                return command.ANSWER(
-                    request_id=command.request_id,
-                    status=result.status,
-                    freed_blocks=result.freed_blocks,
-                    freed_bytes=result.freed_bytes,
-                    correlation_id=command.correlation_id,
-                    detail=result.detail[:MAX_DETAIL_CHARS],
+                result = dataclasses.replace(
+                    result, request_id=command.request_id, detail=result.detail[:MAX_DETAIL_CHARS]
                 )
+                return command.ANSWER.of(result, command.correlation_id)
             except (ProtocolError, TypeError) as exc:
                 detail = f"{kind} handler returned an invalid outcome: {exc}"
         elif isinstance(result, Exception):

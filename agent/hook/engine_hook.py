@@ -14,8 +14,8 @@ from kvwatch.hook.book import COUNTER_NAMES, StreamBook
 from kvwatch.hook.commands import CommandRunner
 from kvwatch.hook.session import Session, Waker
 from kvwatch.hookwire.counters import EventCounters
-from kvwatch.hookwire.protocol import FEATURE_PARK, EngineInfo
-from kvwatch.hookwire.types import CancelHandler, ParkHandler, resolve_socket_path
+from kvwatch.hookwire.protocol import FEATURE_DETACH, FEATURE_PARK, EngineInfo
+from kvwatch.hookwire.types import CancelHandler, DetachHandler, ParkHandler, resolve_socket_path
 from kvwatch.sockets import Endpoint
 
 CONNECT_TIMEOUT_SECONDS = 0.5
@@ -27,16 +27,17 @@ _log = logging.getLogger("kvwatch.hook")
 
 class EngineHook:
     """Tells the kvwatch agent about the engine's streams and runs the agent's cancels (and
-    parks, for an engine that passes a `park_handler`: its hello then lists "park").
+    parks, for an engine that passes a `park_handler`, and detaches, for one that passes a
+    `detach_handler`: its hello then lists "park", "detach").
 
     The engine owns the hook; `stream_*` may be called from any thread (the event loop
     included) and never block on the agent: they update the live-stream book and queue a
     message, dropping and counting it when the bounded queue is full. One background thread
     (`kvwatch-hook`) owns the agent connection: it connects to the unix socket, sends hello and
     re-announces every live stream on each (re)connect, retries with backoff (at most
-    `reconnect_seconds` apart) while the agent is absent, and hands cancels and parks to the
-    engine's handlers on worker threads. Nothing the agent does or fails to do raises into
-    the engine.
+    `reconnect_seconds` apart) while the agent is absent, and hands the agent's commands to
+    the engine's handlers on worker threads. Nothing the agent does or fails to do raises
+    into the engine.
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class EngineHook:
         socket_path: str | None = None,
         *,
         park_handler: ParkHandler | None = None,
+        detach_handler: DetachHandler | None = None,
         queue_size: int = 1024,
         reconnect_seconds: float = 1.0,
         cancel_timeout_seconds: float = 5.0,
@@ -62,11 +64,13 @@ class EngineHook:
         self.socket_path = resolve_socket_path(socket_path)
         self._reconnect_seconds = reconnect_seconds
         self._send_timeout_seconds = send_timeout_seconds
-        handlers = {"cancel": cancel_handler}
-        if park_handler is not None:
-            handlers["park"] = park_handler
-            features = (*[f for f in info.features if f != FEATURE_PARK], FEATURE_PARK)
-            info = dataclasses.replace(info, features=features)
+        handlers: dict[str, CancelHandler] = {"cancel": cancel_handler}
+        # A feature is named after its command: "park" runs the park handler.
+        for feature, handler in ((FEATURE_PARK, park_handler), (FEATURE_DETACH, detach_handler)):
+            if handler is not None:
+                handlers[feature] = handler
+                features = (*[f for f in info.features if f != feature], feature)
+                info = dataclasses.replace(info, features=features)
         self._counters = EventCounters(COUNTER_NAMES)
         self._book = StreamBook(info, queue_size, self._counters, self._wake)  # checks info
         self._commands = CommandRunner(handlers, cancel_timeout_seconds, self._counters, self._wake)

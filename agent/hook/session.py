@@ -23,6 +23,7 @@ from kvwatch.hookwire.protocol import (
     Message,
     Welcome,
     encode,
+    plural,
 )
 
 SEND_CHUNK_BYTES = 64 * 1024
@@ -196,10 +197,9 @@ class Session:
                 self._note_answer(message)
 
     def _note_answer(self, answer: Answer) -> None:
-        """Counts an answer going out; a park that took effect marks its stream parked."""
-        self._counters.add(f"{answer.COMMAND}s_answered")
-        if answer.status == "parked":
-            self._book.parked(answer.request_id)
+        """Counts an answer going out; a park or a detach that took effect marks its stream."""
+        self._counters.add(f"{plural(answer.COMMAND)}_answered")
+        self._book.answered(answer.request_id, answer.status)
 
     def _flush(self, now: float) -> str | None:
         while self._out:

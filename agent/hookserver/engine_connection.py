@@ -1,5 +1,5 @@
 """One engine's connection to the hook server: its session, its streams, its commands (cancel,
-park) in flight."""
+park, detach) in flight."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from kvwatch.hookserver.registry import (
 )
 from kvwatch.hookwire.counters import EventCounters
 from kvwatch.hookwire.protocol import (
+    FEATURE_DETACH,
     FEATURE_PARK,
     Answer,
     Close,
@@ -32,6 +33,7 @@ from kvwatch.hookwire.protocol import (
     Update,
     Welcome,
     encode,
+    plural,
 )
 from kvwatch.hookwire.types import CancelOutcome
 
@@ -67,8 +69,8 @@ class _PendingCommand:
 
 
 class EngineConnection:
-    """Serves one engine connection: reads its messages, sends commands (cancel, park), matches
-    the answers.
+    """Serves one engine connection: reads its messages, sends commands (cancel, park,
+    detach), matches the answers.
 
     Owned by the event loop: `HookServer` runs `serve` then `finish` (or only `refuse`) as the
     connection's task, and calls `command` and `close` from others. Invariants: stream messages
@@ -129,25 +131,26 @@ class EngineConnection:
         self._writer.transport.abort()
 
     async def command(self, command: Command, timeout_seconds: float) -> CancelOutcome:
-        """Sends one command and waits for its answer; a missing answer is `failed`."""
+        """Sends one command and waits for its answer (the `OUTCOME` of the command's answer
+        type); a missing answer is `failed`."""
         kind = command.TYPE
         try:
             line = encode(command)
         except ProtocolError as exc:
             self._counters.add(f"{kind}_send_failures")
-            return _failed(command.request_id, f"{kind} not sent: {exc.message}")
+            return _failed(command, f"{kind} not sent: {exc.message}")
         answer: asyncio.Future[CancelOutcome] = asyncio.get_running_loop().create_future()
         self._pending[command.correlation_id] = _PendingCommand(command, answer)
         try:
             if not self._write(line):
                 self._counters.add(f"{kind}_send_failures")
                 detail = f"{kind} not sent: the engine connection is closed"
-                return _failed(command.request_id, detail)
-            self._counters.add(f"{kind}s_sent")
+                return _failed(command, detail)
+            self._counters.add(f"{plural(kind)}_sent")
             return await asyncio.wait_for(answer, timeout_seconds)
         except asyncio.TimeoutError:
             self._counters.add(f"{kind}_timeouts")
-            return _failed(command.request_id, f"no answer within {timeout_seconds:g} s")
+            return _failed(command, f"no answer within {timeout_seconds:g} s")
         finally:
             self._pending.pop(command.correlation_id, None)
 
@@ -229,6 +232,8 @@ class EngineConnection:
             kv_estimated=message.kv_estimated,
             can_park=hello.can(FEATURE_PARK),
             parked=message.parked,
+            can_detach=hello.can(FEATURE_DETACH),
+            detached=message.detached,
         )
         self._gone_by_cancel.pop(message.request_id, None)
         if not self._registry.open(self.connection_id, stream):
@@ -243,6 +248,7 @@ class EngineConnection:
     def _update(self, message: Update) -> None:
         self._counters.add("updates")
         request_id = message.request_id
+        coupled_again = {"detached": False} if message.egress_buffer_full else {}
         known = self._registry.update(
             self.connection_id,
             request_id,
@@ -250,6 +256,7 @@ class EngineConnection:
             tokens_out=message.tokens_out,
             kv_estimated=message.kv_estimated,
             egress_buffer_full=message.egress_buffer_full,
+            **coupled_again,
         )
         if not known and request_id not in self._gone_by_cancel:
             self._counters.add("unknown_request_events")
@@ -286,27 +293,25 @@ class EngineConnection:
         ):
             self._counters.add(f"unmatched_{message.COMMAND}_answers")
         else:
-            self._counters.add(f"{message.COMMAND}s_answered")
-            pending.answer.set_result(
-                CancelOutcome(
-                    request_id=message.request_id,
-                    status=message.status,
-                    freed_blocks=message.freed_blocks,
-                    freed_bytes=message.freed_bytes,
-                    detail=message.detail,
-                )
-            )
+            self._counters.add(f"{plural(message.COMMAND)}_answered")
+            pending.answer.set_result(message.outcome())
+        self._took_effect(message)
+
+    def _took_effect(self, message: Answer) -> None:
+        """What an answer says about its stream, whoever waits: parked, detached (unless an
+        update already said its buffer is full: coupled again), or gone — forgotten now, its
+        close expected."""
+        request_id = message.request_id
         if message.status == "parked":
             self._registry.update(
-                self.connection_id,
-                message.request_id,
-                parked=True,
-                parked_blocks=message.freed_blocks,
+                self.connection_id, request_id, parked=True, parked_blocks=message.freed_blocks
             )
-        # The engine says the request is gone, whoever waits: forget it now and expect its close.
+        elif message.status == "detached" and (stream := self._registry.get(request_id)):
+            detached = not stream.egress_buffer_full
+            self._registry.update(self.connection_id, request_id, detached=detached)
         gone = message.status in GONE_STATUSES
-        if gone and self._registry.remove(self.connection_id, message.request_id):
-            self._gone_by_cancel[message.request_id] = None
+        if gone and self._registry.remove(self.connection_id, request_id):
+            self._gone_by_cancel[request_id] = None
             if len(self._gone_by_cancel) > MAX_REMEMBERED_CANCELS:
                 self._gone_by_cancel.popitem(last=False)
 
@@ -335,9 +340,9 @@ class EngineConnection:
         """Forgets this connection's streams and fails the commands still waiting."""
         for pending in self._pending.values():
             if not pending.answer.done():
-                self._counters.add(f"{pending.command.TYPE}s_lost")
+                self._counters.add(f"{plural(pending.command.TYPE)}_lost")
                 detail = "the engine connection closed before it answered"
-                pending.answer.set_result(_failed(pending.command.request_id, detail))
+                pending.answer.set_result(_failed(pending.command, detail))
         self._pending.clear()
         self._registry.forget_owner(self.connection_id)
         self._counters.add("disconnects")
@@ -353,5 +358,5 @@ class EngineConnection:
             pass
 
 
-def _failed(request_id: str, detail: str) -> CancelOutcome:
-    return CancelOutcome(request_id, "failed", 0, 0, detail=detail)
+def _failed(command: Command, detail: str) -> CancelOutcome:
+    return command.ANSWER.OUTCOME(command.request_id, "failed", 0, 0, detail=detail)

@@ -24,8 +24,8 @@ from kvwatch.hookserver.registry import (
     StreamRegistry,
 )
 from kvwatch.hookwire.counters import EventCounters
-from kvwatch.hookwire.protocol import Cancel, Command, Park
-from kvwatch.hookwire.types import CancelOutcome
+from kvwatch.hookwire.protocol import Cancel, Command, Detach, Park, plural
+from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
 from kvwatch.sockets import Endpoint
 
 __all__ = ["EngineStream", "HookServer"]
@@ -62,7 +62,8 @@ class _Admitted:
 
 
 class HookServer:
-    """Listens on the engine socket, tracks the streams engines announce, sends their cancels.
+    """Listens on the engine socket, tracks the streams engines announce, sends them commands
+    (cancel, park, detach).
 
     The daemon owns the server and uses it from one event loop only. Each accepted connection
     is checked with SO_PEERCRED: its uid must be root or on `allowed_uids`, else it gets an
@@ -213,6 +214,20 @@ class HookServer:
         the outcomes as for `cancel`, plus `parked` and `declined`."""
         return await self._command(Park, request_id, reason, evidence, timeout_seconds)
 
+    async def detach(
+        self,
+        request_id: str,
+        reason: str,
+        evidence: Mapping[str, object],
+        timeout_seconds: float = 2.0,
+    ) -> DetachOutcome:
+        """Asks the engine owning the stream to detach it from its client (its output goes to
+        a bounded host buffer, its generation runs on and frees the KV when it ends); the
+        outcomes as for `park`, with `detached` and the bytes buffered at that moment."""
+        outcome = await self._command(Detach, request_id, reason, evidence, timeout_seconds)
+        assert isinstance(outcome, DetachOutcome), "a detach's outcomes are Detached.OUTCOME"
+        return outcome
+
     async def _command(
         self,
         kind: type[Command],
@@ -229,8 +244,8 @@ class HookServer:
         admitted = self._admitted.get(owner) if owner is not None else None
         connection = admitted.connection if admitted is not None else None
         if connection is None:
-            self._counters.add(f"{kind.TYPE}s_unknown_request")
-            return CancelOutcome(
+            self._counters.add(f"{plural(kind.TYPE)}_unknown_request")
+            return kind.ANSWER.OUTCOME(
                 request_id, "unknown_request", 0, 0, detail="no connected engine announced it"
             )
         correlation_id = f"{kind.TYPE[0]}-{next(self._correlation_ids)}"

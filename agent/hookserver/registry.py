@@ -50,8 +50,15 @@ COUNTER_NAMES = (
     "parks_unknown_request",
     "park_send_failures",
     "resumes",
+    "detaches_sent",
+    "detaches_answered",
+    "detach_timeouts",
+    "detaches_lost",
+    "detaches_unknown_request",
+    "detach_send_failures",
     "unmatched_cancel_answers",
     "unmatched_park_answers",
+    "unmatched_detach_answers",
     "send_overflows",
     "callback_errors",
     "internal_errors",
@@ -73,6 +80,9 @@ class EngineStream:
     `can_park` says its engine can park requests (hello `features`), `parked` that the
     request is parked now: its KV is free, the request and its connection live on;
     `parked_blocks` the blocks its park freed (0 when not parked, or re-announced parked).
+    `can_detach` says its engine can detach a stream from its client (hello `features`),
+    `detached` that this one is now: its output goes to a host buffer and its generation runs
+    on; cleared when an update reports that buffer full (the stream is coupled again).
     """
 
     request_id: str
@@ -92,6 +102,8 @@ class EngineStream:
     can_park: bool = False
     parked: bool = False
     parked_blocks: int = 0
+    can_detach: bool = False
+    detached: bool = False
 
     @property
     def kv_bytes(self) -> int:
@@ -191,7 +203,7 @@ class StreamRegistry:
         return True
 
     def update(self, owner: int, request_id: str, **changes: Any) -> bool:
-        """New values (EngineStream fields: numbers, parked) for a stream this owner
+        """New values (EngineStream fields: numbers, parked, detached) for a stream this owner
         announced; False when it owns no such stream."""
         stream = self._streams.get(request_id)
         if stream is None or self._owner[request_id] != owner:

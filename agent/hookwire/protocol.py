@@ -18,6 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Literal, get_type_hints
 
 from kvwatch.errors import ProtocolError
+from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
 from kvwatch.sockets import Endpoint
 
 
@@ -37,8 +38,10 @@ MAX_ID_CHARS = 256
 MAX_NESTING = 4
 CANCEL_STATUSES = ("cancelled", "unknown_request", "already_finished", "failed")
 PARK_STATUSES = ("parked", "unknown_request", "already_finished", "declined", "failed")
+DETACH_STATUSES = ("detached", "unknown_request", "already_finished", "declined", "failed")
 # What an engine can do besides cancel, as it says in `hello.features`.
 FEATURE_PARK = "park"
+FEATURE_DETACH = "detach"
 MAX_FEATURES = 16
 
 Sender = Literal["engine", "agent"]
@@ -78,7 +81,7 @@ class EngineInfo(Message):
     features: tuple[str, ...] = ()
 
     def can(self, feature: str) -> bool:
-        """Whether the engine said it can do `feature` (e.g. FEATURE_PARK)."""
+        """Whether the engine said it can do `feature` (FEATURE_PARK, FEATURE_DETACH)."""
         return feature in self.features
 
 
@@ -108,8 +111,9 @@ class Open(Message):
     `local` is the server socket's own address, `remote` the client's, as the server sees them;
     `pid` is the process that owns that socket. `kv_estimated` (optional) says the KV numbers
     are the engine hook's estimate, not the engine's block table; `age_ms` (optional) how long
-    ago the request's stream began, so a re-announced stream keeps its age; `parked`
-    (optional) that the request is parked now (a re-announce keeps it).
+    ago the request's stream began, so a re-announced stream keeps its age; `parked` and
+    `detached` (optional) that the request is parked, or detached from its client, now (a
+    re-announce keeps the state).
     """
 
     TYPE: ClassVar[str] = "open"
@@ -124,6 +128,7 @@ class Open(Message):
     kv_estimated: bool = False
     age_ms: int = 0
     parked: bool = False
+    detached: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,10 +159,13 @@ class Close(Message):
 @dataclass(frozen=True)
 class Answer(Message):
     """Engine → agent: the outcome of one command, sent once it took effect (blocks really
-    free); `status` is one of the type's `STATUSES`."""
+    free); `status` is one of the type's `STATUSES`. Both sides speak of it as an `OUTCOME`
+    (the engine's handler returns one, the agent's command call gets one): the answer's
+    fields but the correlation id."""
 
     STATUSES: ClassVar[tuple[str, ...]] = ()
     COMMAND: ClassVar[str] = ""  # the type of the command it answers
+    OUTCOME: ClassVar[type[CancelOutcome]] = CancelOutcome
     request_id: str
     status: str
     freed_blocks: int
@@ -172,6 +180,23 @@ class Answer(Message):
                 f"'{self.TYPE}' message has status {self.status!r}",
                 f"use one of {', '.join(self.STATUSES)}",
             )
+
+    @classmethod
+    def of(cls, outcome: CancelOutcome, correlation_id: str) -> Answer:
+        """The answer that carries a handler's `outcome`; ProtocolError if a field is out of
+        range. Outcome fields this answer type lacks are left out."""
+        names = {f.name for f in fields(cls)}
+        values = {f.name: getattr(outcome, f.name) for f in fields(outcome) if f.name in names}
+        return cls(correlation_id=correlation_id, **values)
+
+    def outcome(self) -> CancelOutcome:
+        """This answer as its `OUTCOME` type, for whoever waits on the command."""
+        return self.OUTCOME(**{f.name: getattr(self, f.name) for f in fields(self.OUTCOME)})
+
+
+def plural(command: str) -> str:
+    """A command's name as the counters spell it: cancels, parks, detaches."""
+    return f"{command}es" if command.endswith("ch") else f"{command}s"
 
 
 @dataclass(frozen=True)
@@ -207,6 +232,20 @@ class Parked(Answer):
 
 
 @dataclass(frozen=True)
+class Detached(Answer):
+    """Engine → agent: the outcome of a detach. Nothing is freed at once (`freed_blocks` 0):
+    the request's generation no longer waits for its client and frees its KV when it ends;
+    `buffered_bytes` is what the stream's host buffer held as it detached (docs/protocol.md,
+    "Detach")."""
+
+    TYPE: ClassVar[str] = "detached"
+    COMMAND: ClassVar[str] = "detach"
+    STATUSES: ClassVar[tuple[str, ...]] = DETACH_STATUSES
+    OUTCOME: ClassVar[type[CancelOutcome]] = DetachOutcome
+    buffered_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class Cancel(Command):
     """Agent → engine: free this request's KV and end it; answered by one `Cancelled`."""
 
@@ -222,6 +261,17 @@ class Park(Command):
 
     TYPE: ClassVar[str] = "park"
     ANSWER: ClassVar[type[Answer]] = Parked
+
+
+@dataclass(frozen=True)
+class Detach(Command):
+    """Agent → engine: from now on, send this request's output through a bounded host buffer
+    so its generation runs to its end whatever its client reads; the stream is coupled again
+    when the buffer reaches its cap (reported by `egress_buffer_full`). Answered by one
+    `Detached`; sent only to an engine whose hello lists FEATURE_DETACH."""
+
+    TYPE: ClassVar[str] = "detach"
+    ANSWER: ClassVar[type[Answer]] = Detached
 
 
 @dataclass(frozen=True)
@@ -250,6 +300,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Park,
         Parked,
         Resumed,
+        Detach,
+        Detached,
     )
 }
 

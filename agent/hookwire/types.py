@@ -1,5 +1,5 @@
 """The engine hook's types both sides share besides the messages: where the socket is, and how
-an engine answers a cancel or a park."""
+an engine answers a cancel, a park or a detach."""
 
 from __future__ import annotations
 
@@ -36,9 +36,24 @@ class CancelOutcome:
 ParkOutcome = CancelOutcome
 """A park's answer has a cancel's fields; the name says which one a handler returns."""
 
+
+@dataclass(frozen=True)
+class DetachOutcome(CancelOutcome):
+    """The engine's answer to a detach: `status` is one of "detached", "unknown_request",
+    "already_finished", "declined", "failed"; a detach frees nothing at once (the KV goes when
+    the generation ends), so `freed_blocks` and `freed_bytes` are 0; `buffered_bytes` is what
+    the stream's host buffer held when it detached (the send it adopted)."""
+
+    buffered_bytes: int = 0
+
+
 CancelHandler = Callable[[str, str], CancelOutcome]
 """(request_id, reason) -> outcome; runs on a hook worker thread, may block until its timeout."""
 
 ParkHandler = Callable[[str, str], ParkOutcome]
 """(request_id, reason) -> outcome, like a cancel handler: frees the request's KV now, keeps
 the request and its connection, and resumes it once its client reads again."""
+
+DetachHandler = Callable[[str, str], DetachOutcome]
+"""(request_id, reason) -> outcome, like a cancel handler: from now on the request's output
+goes to a bounded host buffer, so its generation no longer waits for its client."""

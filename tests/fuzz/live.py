@@ -14,11 +14,13 @@ from typing import Any, TypeVar
 from kvwatch.errors import ProtocolError
 from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookwire.protocol import (
-    Cancelled,
+    MESSAGE_TYPES,
+    Answer,
     Close,
     EngineInfo,
     LineFramer,
     Open,
+    Resumed,
     UnsupportedVersionError,
     Update,
 )
@@ -31,7 +33,12 @@ PER_LINE_COUNTERS = (
     "opens",
     "updates",
     "closes",
-    "unmatched_cancel_answers",
+    "resumes",
+    *(
+        f"unmatched_{cls.COMMAND}_answers"
+        for cls in MESSAGE_TYPES.values()
+        if issubclass(cls, Answer)
+    ),
 )
 SESSION_SECONDS = 30.0
 _T = TypeVar("_T")
@@ -53,10 +60,11 @@ def expected_counts(chunks: Iterable[bytes]) -> Counter[str]:
                 said_hello = True
             elif not said_hello:
                 counts["before_hello_messages"] += 1
+            elif isinstance(item, Answer):  # nobody asked: no command was sent
+                counts[f"unmatched_{item.COMMAND}_answers"] += 1
             else:
-                kind = {Open: "opens", Update: "updates", Close: "closes"}.get(type(item))
-                assert kind is not None or isinstance(item, Cancelled), item
-                counts[kind or "unmatched_cancel_answers"] += 1
+                kinds = {Open: "opens", Update: "updates", Close: "closes", Resumed: "resumes"}
+                counts[kinds[type(item)]] += 1
     return counts
 
 

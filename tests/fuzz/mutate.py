@@ -25,6 +25,7 @@ from kvwatch.errors import ProtocolError
 from kvwatch.hookwire.protocol import (
     Cancelled,
     Close,
+    Detached,
     EngineInfo,
     Message,
     Open,
@@ -57,6 +58,14 @@ SEED_MESSAGES: list[Message] = [
         freed_blocks=3,
         freed_bytes=48,
         correlation_id="c-1",
+    ),
+    Detached(
+        request_id="r-1",
+        status="detached",
+        freed_blocks=0,
+        freed_bytes=0,
+        correlation_id="d-2",
+        buffered_bytes=512,
     ),
 ]
 SEEDS = [encode(message).rstrip(b"\n") for message in SEED_MESSAGES]

@@ -33,14 +33,21 @@ def hook_factory(socket_path: str) -> Iterator[Callable[..., EngineHook]]:
     """Builds started hooks on the test socket path with fast timings; stops them afterwards."""
     hooks: list[EngineHook] = []
 
-    def build(handler: CancelHandler = default_handler, **options: float) -> EngineHook:
-        settings: dict[str, float] = {"reconnect_seconds": 0.2, **options}
+    def build(
+        handler: CancelHandler = default_handler,
+        *,
+        queue_size: int = 1024,
+        send_timeout_seconds: float = 5.0,
+        cancel_timeout_seconds: float = 5.0,
+    ) -> EngineHook:
         hook = EngineHook(
             ENGINE_INFO,
             handler,
             socket_path,
-            queue_size=int(settings.pop("queue_size", 1024)),
-            **settings,
+            queue_size=queue_size,
+            reconnect_seconds=0.2,
+            send_timeout_seconds=send_timeout_seconds,
+            cancel_timeout_seconds=cancel_timeout_seconds,
         )
         hook.start()
         hooks.append(hook)

@@ -16,7 +16,7 @@ from kvwatch.hook import CancelHandler, CancelOutcome, EngineHook, EngineInfo
 from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.hookwire.protocol import LineFramer, Message, encode
-from kvwatch.hookwire.types import ParkHandler
+from kvwatch.hookwire.types import DetachHandler, ParkHandler
 from tests.waiting import wait_until_async
 
 WAIT_SECONDS = 5.0
@@ -77,6 +77,7 @@ async def engine_hook(
     *,
     reconnect_seconds: float = 0.2,
     park_handler: ParkHandler | None = None,
+    detach_handler: DetachHandler | None = None,
 ) -> AsyncIterator[EngineHook]:
     """A started EngineHook on `path` (fast reconnects unless told); stopped off the loop."""
     hook = EngineHook(
@@ -85,6 +86,7 @@ async def engine_hook(
         path,
         reconnect_seconds=reconnect_seconds,
         park_handler=park_handler,
+        detach_handler=detach_handler,
     )
     hook.start()
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from typing import Any
 
@@ -17,6 +18,8 @@ from kvwatch.hookwire.protocol import (
     Cancel,
     Cancelled,
     Close,
+    Detach,
+    Detached,
     EngineInfo,
     ErrorMessage,
     LineFramer,
@@ -26,7 +29,9 @@ from kvwatch.hookwire.protocol import (
     Welcome,
     decode,
     encode,
+    plural,
 )
+from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
 from kvwatch.sockets import Endpoint
 
 EVERY_MESSAGE: list[Message] = [
@@ -52,6 +57,15 @@ EVERY_MESSAGE: list[Message] = [
     ),
     Update(request_id="cmpl-1", kv_blocks=8, tokens_out=40),
     Close(request_id="cmpl-1", reason="finished"),
+    Detach(request_id="cmpl-1", reason="backpressure", correlation_id="d-3"),
+    Detached(
+        request_id="cmpl-1",
+        status="detached",
+        freed_blocks=0,
+        freed_bytes=0,
+        correlation_id="d-3",
+        buffered_bytes=312,
+    ),
     Cancel(
         request_id="cmpl-1",
         reason="stalled",
@@ -110,6 +124,28 @@ def test_optional_estimate_and_buffer_fields_default_off_and_round_trip() -> Non
     assert (body["kv_estimated"], body["egress_buffer_full"]) == (True, True)
     with pytest.raises(ProtocolError, match="'kv_estimated' must be true or false"):
         decode(_line(**_open_body(kv_estimated=1)))
+
+
+def test_a_detach_answer_and_its_outcome_carry_the_buffered_bytes() -> None:
+    outcome = DetachOutcome("cmpl-1", "detached", 0, 0, "", buffered_bytes=312)
+    answer = Detached.of(outcome, "d-3")
+    assert answer == EVERY_MESSAGE[7]
+    assert answer.outcome() == outcome
+    old_peer = json.loads(encode(answer))
+    del old_peer["buffered_bytes"]
+    assert decode(_line(**old_peer)) == Detached.of(
+        dataclasses.replace(outcome, buffered_bytes=0), "d-3"
+    )
+    # A cancel's answer has no such field: it is left out, not refused.
+    cancelled = Cancelled.of(dataclasses.replace(outcome, status="cancelled"), "c-1")
+    assert cancelled.outcome() == CancelOutcome("cmpl-1", "cancelled", 0, 0, "")
+    reannounced = decode(_line(**_open_body(detached=True)))
+    assert isinstance(reannounced, Open) and reannounced.detached
+    assert [plural(kind) for kind in ("cancel", "park", "detach")] == [
+        "cancels",
+        "parks",
+        "detaches",
+    ]
 
 
 def test_endpoints_are_ip_port_strings_with_ipv6_in_brackets() -> None:

@@ -82,6 +82,12 @@ def stream_metrics(state: AgentState, durations: EpisodeDurations) -> Iterator[M
         value=sum(1 for view in views if view.engine is not None and view.engine.parked),
     )
     yield GaugeMetricFamily(
+        "kvwatch_streams_detached",
+        "Streams detached from their generator: the engine's ASGI middleware buffers their "
+        "output on the host so the generation can end and free its KV.",
+        value=sum(1 for view in views if view.engine is not None and view.engine.detached),
+    )
+    yield GaugeMetricFamily(
         "kvwatch_streams_stalled_kv_held_bytes",
         "KV cache held by requests whose client stalled, in bytes.",
         value=kv_bytes[StreamState.STALLED],

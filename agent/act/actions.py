@@ -1,7 +1,7 @@
 """The actions the agent can take on a stalled stream, by the name `policy.actions` gives
 them, and the kernel check before any of them. Each action is a module of its own
-(kvwatch.act.cancel, kvwatch.act.reset, kvwatch.act.park): a new one is one more module here
-and a rule in kvwatch.policy that can choose it."""
+(kvwatch.act.cancel, kvwatch.act.reset, kvwatch.act.park, kvwatch.act.detach): a new one is
+one more module here and a rule in kvwatch.policy that can choose it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from kvwatch.act.cancel import Cancel
 from kvwatch.act.confirm import KernelCheck, check
+from kvwatch.act.detach import Detach
 from kvwatch.act.episodes import Unfinished
 from kvwatch.act.kernel import SocketWorker
 from kvwatch.act.park import Park
@@ -45,6 +46,7 @@ class Actions:
                 Cancel(hooks, self.tally, self.cancels),
                 Reset(self.worker, hooks, self.tally),
                 Park(hooks, self.tally),
+                Detach(hooks, self.tally),
             )
         }
 

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 # Action results that changed something; the others (the target was already gone, or the
 # action failed) leave the decision's budget unit to be given back.
-TOOK_EFFECT = {"cancelled", "reset", "parked"}
+TOOK_EFFECT = {"cancelled", "reset", "parked", "detached"}
 # An action that failed (or raised) is tried again after each of these delays, within its
 # stall episode and on the kernel's confirmation each time; the budget is charged once.
 RETRY_DELAYS_SECONDS = (1.0, 2.0, 4.0)
@@ -55,9 +55,9 @@ class Executor:
 
     async def on_pressure(self, episode: Episode, view: StreamView) -> float | None:
         """A stream under back-pressure for `park_seconds`, not stalled yet: once per
-        episode, the park rule decides; a park is carried out once, without the kernel's
-        confirmation (it cuts nothing) and without the budget (it bounds cuts). Returns when
-        to look at the stream again for a park, or None."""
+        episode, the park rule decides; a park (or detach) is carried out once, without the
+        kernel's confirmation (it cuts nothing) and without the budget (it bounds cuts).
+        Returns when to look at the stream again for a park, or None."""
         if episode.park_decided:
             return None
         decision = self.decider.decide_park(view)
@@ -68,7 +68,8 @@ class Executor:
             return retry_after(decision)
         episode.park_decided = True
         if decision.verdict == "act":
-            await self._carry_out(view, Unfinished(decision.reason, ref, evidence, ("park",)))
+            unfinished = Unfinished(decision.reason, ref, evidence, decision.actions)
+            await self._carry_out(view, unfinished)
         return None
 
     async def _handle(self, episode: Episode, view: StreamView, decision: Decision) -> float | None:

@@ -20,7 +20,12 @@ from kvwatch.streams.view import StreamView
 
 EVENTS_KEPT = 2000
 # The timeline event of each action's outcome.
-OUTCOME_EVENTS = {"cancel": "cancel_acknowledged", "reset": "reset_done", "park": "parked"}
+OUTCOME_EVENTS = {
+    "cancel": "cancel_acknowledged",
+    "reset": "reset_done",
+    "park": "parked",
+    "detach": "detached",
+}
 
 
 def evidence_of(view: StreamView, kernel: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -30,6 +30,8 @@ EVENT_TEXT = {
     "reset_done": "connection reset by the agent",
     "parked": "engine parked the request: its KV freed, the request and connection kept",
     "resumed": "the client read again: the engine resumed the request",
+    "detached": "engine detached the stream: its output buffered on the host, its generation "
+    "runs to its end",
     "engine_closed_stream": "engine closed the stream",
     "closed": "connection closed",
 }

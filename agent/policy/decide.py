@@ -58,6 +58,8 @@ def candidate_of(view: StreamView) -> Candidate:
         can_park=engine is not None and engine.can_park,
         parked=engine is not None and engine.parked,
         parked_kv_bytes=engine.parked_blocks * engine.bytes_per_block if engine else 0,
+        can_detach=engine is not None and engine.can_detach,
+        detached=engine is not None and engine.detached,
     )
 
 
@@ -82,5 +84,6 @@ class Decider:
         return decide(candidate_of(view), self.policy, self.budget, view.now_ns / 1e9)
 
     def decide_park(self, view: StreamView) -> Decision:
-        """Whether to park the stream now (kvwatch.policy.park); takes no budget."""
+        """Whether to park (or detach) the stream now (kvwatch.policy.park); takes no
+        budget."""
         return decide_park(candidate_of(view), self.policy)

@@ -72,7 +72,7 @@ class Candidate:
     behind a proxy, the proxy that reads it and "relayed"; both None for a socket no relay
     writes or reads. `can_park` says the engine can park the request (kvwatch.policy.park),
     `parked` that it is parked now, `parked_kv_bytes` the KV its park freed (taken back on
-    resume).
+    resume); `can_detach` and `detached` the same for a detach.
     """
 
     request_id: str | None
@@ -92,6 +92,8 @@ class Candidate:
     can_park: bool = False
     parked: bool = False
     parked_kv_bytes: int = 0
+    can_detach: bool = False
+    detached: bool = False
 
     @property
     def owner(self) -> Owner:

@@ -141,6 +141,7 @@ class StreamView:
             kv_estimated=engine.kv_estimated if engine else None,
             parked=engine.parked if engine else None,
             parked_kv_bytes=engine.parked_blocks * engine.bytes_per_block if engine else None,
+            detached=engine.detached if engine else None,
             gpu=[
                 {"index": g.gpu_index, "uuid": g.uuid, "used_bytes": g.used_bytes}
                 for g in self.gpus

@@ -23,11 +23,16 @@ STATE_STYLES = {
 
 def state_label(row: dict[str, Any]) -> str:
     """The stream's state, whether its request is parked (its KV freed, the request kept)
-    and whether its action failed on every try (`action_failed`)."""
+    or detached (its output buffered on the host), and whether its action failed on every
+    try (`action_failed`)."""
     state = str(row.get("state", "?"))
     marks = [
         mark
-        for key, mark in (("parked", "parked"), ("action_failed", "action failed"))
+        for key, mark in (
+            ("parked", "parked"),
+            ("detached", "detached"),
+            ("action_failed", "action failed"),
+        )
         if row.get(key)
     ]
     return f"{state} ({', '.join(marks)})" if marks else state

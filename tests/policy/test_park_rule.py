@@ -70,3 +70,13 @@ def test_a_parked_request_is_still_cut_when_stalled_and_min_kv_counts_what_it_pa
     parked = stalled(kv_bytes=0, parked=True, parked_kv_bytes=64 * MIB, can_park=True)
     decision = decide(parked, config, CancelBudget(10), 100.0)
     assert (decision.verdict, decision.actions) == ("act", ("cancel",))
+
+
+def test_an_engine_that_can_only_detach_is_detached_and_one_that_can_both_is_parked() -> None:
+    detach_only = decide_park(backed_up(can_park=False, can_detach=True), ENFORCE)
+    assert (detach_only.verdict, detach_only.actions) == ("act", ("detach",))
+    both = decide_park(backed_up(can_detach=True), ENFORCE)
+    assert both.actions == ("park",)
+    assert decide_park(
+        backed_up(can_park=False, can_detach=True, detached=True), ENFORCE
+    ).reason == ("not_parkable")

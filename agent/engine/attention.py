@@ -47,6 +47,31 @@ class PagedKVStorage:
         self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.n_layers)]
         self.bytes_per_block = bytes_per_block(shape, block_size, dtype)
 
+    def copy_out(self, block_ids: list[int]) -> torch.Tensor:
+        """A host-memory copy of these blocks' K and V, in the order given:
+        `[layers, 2, len(block_ids), block_size, heads, head_dim]`. The caller must have
+        waited for device work that writes them."""
+        keys = self.keys[0]
+        index = torch.tensor(block_ids, device=keys.device)
+        size = (len(self.keys), 2, len(block_ids), self.block_size, *keys.shape[1:])
+        copy = torch.empty(size, dtype=keys.dtype, device=keys.device)
+        for layer, pair in enumerate(zip(self.keys, self.values, strict=True)):
+            for kind, rows in enumerate(pair):
+                torch.index_select(self._blocks(rows), 0, index, out=copy[layer, kind])
+        return copy.cpu()
+
+    def copy_in(self, block_ids: list[int], copy: torch.Tensor) -> None:
+        """Writes a `copy_out` copy into these blocks (as many as the copy has), in order."""
+        index = torch.tensor(block_ids[: copy.shape[2]], device=self.keys[0].device)
+        on_device = copy.to(self.keys[0].device)
+        for layer, pair in enumerate(zip(self.keys, self.values, strict=True)):
+            for kind, rows in enumerate(pair):
+                self._blocks(rows).index_copy_(0, index, on_device[layer, kind])
+
+    def _blocks(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` seen as `[num_blocks, block_size, heads, head_dim]` (a view, no copy)."""
+        return rows.view(self.num_blocks, self.block_size, rows.shape[1], rows.shape[2])
+
 
 @dataclass(frozen=True)
 class PagedBatch:

@@ -48,6 +48,14 @@ class EngineConfig:
     memory on CUDA, or `DEFAULT_CPU_KV_BLOCKS` blocks on CPU. `cpu_threads` is torch's intra-op
     thread count on CPU (process-wide): 1 leaves a core to the HTTP server, and small
     ops run faster on one thread than split across busy cores.
+
+    `park` lets the kvwatch agent park a request whose client is not reading (its KV goes to
+    host memory and its blocks back to the pool, until the client reads again). Parked KV
+    takes at most `park_host_kv_bytes` of host memory (None: as much as the KV pool holds);
+    a park beyond that is declined. A resumed request may queue up to the rest of its
+    generation for its client, drawn from `park_resume_buffer_tokens` shared by the engine,
+    so that it runs to its end instead of being parked again (0: resumed requests keep the
+    coupled queue of `egress_queue_tokens`).
     """
 
     model_size: str = DEFAULT_MODEL_SIZE
@@ -65,6 +73,9 @@ class EngineConfig:
     max_tokens_limit: int = 4096
     max_prefill_tokens: int = 2048
     cancel_wait_seconds: float = 10.0
+    park: bool = True
+    park_host_kv_bytes: int | None = None
+    park_resume_buffer_tokens: int = 65536
     debug_checks: bool = False
 
     @property
@@ -90,6 +101,13 @@ class EngineConfig:
         _check_positive("max prefill tokens", self.max_prefill_tokens)
         if self.kv_blocks is not None:
             _check_positive("KV blocks", self.kv_blocks)
+        if self.park_host_kv_bytes is not None:
+            _check_positive("host bytes for parked KV", self.park_host_kv_bytes)
+        if self.park_resume_buffer_tokens < 0:
+            raise ConfigError(
+                f"resume buffer tokens must not be negative, got {self.park_resume_buffer_tokens}",
+                "give 0 (resumed requests keep the small coupled queue) or more",
+            )
         if not 0.0 < self.kv_fraction <= 0.95:
             raise ConfigError(
                 f"KV fraction {self.kv_fraction} is out of range",

@@ -7,11 +7,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from kvwatch.engine.attention import PagedKVStorage, bytes_per_block
 from kvwatch.engine.config import EngineConfig
@@ -19,7 +16,9 @@ from kvwatch.engine.device import DeviceFence, kv_pool_blocks, resolve_device, r
 from kvwatch.engine.kv_cache import KVCacheManager
 from kvwatch.engine.metrics import EngineMetrics, EngineStats, RequestSnapshot
 from kvwatch.engine.model import ByteTokenizer, TransformerModel
-from kvwatch.engine.output import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, Finish, OutputChannel
+from kvwatch.engine.orders import Abort, CancelOrder, Order, ParkOrder, failed, not_live
+from kvwatch.engine.output import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, Finish
+from kvwatch.engine.parking import ParkingLot
 from kvwatch.engine.requests import (
     KV_REPORT_INTERVAL_SECONDS,
     EngineOverloadedError,
@@ -30,7 +29,7 @@ from kvwatch.engine.requests import (
     RequestRejectedError,
     check_fits,
 )
-from kvwatch.engine.runner import ModelRunner, Sampling
+from kvwatch.engine.runner import ModelRunner
 from kvwatch.engine.scheduler import Scheduler, SeqStatus, Sequence
 from kvwatch.engine.stepper import StepExecutor
 from kvwatch.hookwire.types import CancelOutcome
@@ -60,28 +59,16 @@ class EngineDescription:
         return self.kv_blocks_total * self.bytes_per_block
 
 
-@dataclass(eq=False)
-class _Cancel:
-    request_id: str
-    reason: str
-    outcome: Future[CancelOutcome] = field(default_factory=Future)
-
-
-@dataclass(eq=False)
-class _Abort:
-    request_id: str
-
-
-_Command = LiveRequest | _Cancel | _Abort
+_Command = LiveRequest | Order | Abort
 
 
 class Engine:
     """A small inference engine: paged KV cache, continuous batching, two egress modes.
 
-    Threads: `submit`, `cancel`, `abort`, `stats` and `stop` are thread-safe. Everything else
-    runs on the engine thread (`kvwatch-engine`), which alone owns the scheduler, the block
-    tables, the KV storage and the model; other threads talk to it through the inbox, which it
-    drains at each step boundary.
+    Threads: `submit`, `cancel`, `park`, `abort`, `stats` and `stop` are thread-safe.
+    Everything else runs on the engine thread (`kvwatch-engine`), which alone owns the
+    scheduler, the block tables, the KV storage, the parked requests' host copies and the
+    model; other threads talk to it through the inbox, which it drains at each step boundary.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -108,6 +95,12 @@ class Engine:
         )
         self._scheduler = Scheduler(
             self.kv, config.max_running, config.max_prefill_tokens, self._egress_blocked
+        )
+        self._parking = ParkingLot(
+            storage,
+            self._scheduler,
+            config.park_host_kv_bytes or self.description.kv_bytes_total,
+            config.park_resume_buffer_tokens,
         )
         runner = ModelRunner(model, storage, self.kv, self.tokenizer.output_token_ids(), device)
         self._device = device
@@ -148,24 +141,12 @@ class Engine:
         """Queues a request; raises RequestRejectedError, EngineOverloadedError or
         EngineUnavailableError."""
         check_fits(request, self.description.max_model_len, self.config.max_tokens_limit, self.kv)
-        capacity = self.config.egress_queue_tokens
+        queue_tokens = self.config.egress_queue_tokens
         if self.config.egress == "decoupled":
-            capacity = request.max_tokens
-        handle = RequestHandle(request.request_id, OutputChannel(capacity, self._wake.set))
-        live = LiveRequest(
-            seq=Sequence(
-                request.request_id,
-                list(request.prompt_token_ids),
-                len(request.prompt_token_ids),
-                request.max_tokens,
-            ),
-            request=request,
-            handle=handle,
-            sampling=self._sampling(request),
-            arrival_seconds=time.monotonic(),
-        )
+            queue_tokens = request.max_tokens
+        live = LiveRequest.new(request, queue_tokens, self._wake.set, self._device)
         self._enqueue(live)
-        return handle
+        return live.handle
 
     def cancel(self, request_id: str, reason: str) -> CancelOutcome:
         """Two-phase cancel; blocks until the request's blocks are free (or a timeout).
@@ -174,33 +155,41 @@ class Engine:
         device work of the last step (which touched its blocks), frees its blocks, then answers
         with what it freed and calls the request's `on_cancelled` (the server resets the
         connection). Never call it from the engine thread."""
-        command = _Cancel(request_id, reason)
+        return self._order(CancelOrder(request_id, reason))
+
+    def park(self, request_id: str, reason: str) -> CancelOutcome:
+        """Parks a request whose client is not reading; blocks like `cancel`.
+
+        At the next step boundary the engine thread declines a request that is not waiting on
+        its client (or holds no blocks), else waits for the device fence, copies the request's
+        KV to host memory, frees its blocks, answers "parked" with what it freed, and reports
+        0 blocks through `on_kv_change` at once. The request and its output stay; once its
+        client reads, it runs on ahead of new work (`on_resumed`). Never call it from the
+        engine thread."""
+        if not self.config.park:
+            return failed(request_id, "parking is off (--no-park)")
+        return self._order(ParkOrder(request_id, reason))
+
+    def _order(self, command: Order) -> CancelOutcome:
+        """Queues a cancel or a park and waits up to `cancel_wait_seconds` for its outcome."""
+        request_id = command.request_id
         with self._lock:
             if self._closed or self.error is not None:
-                return CancelOutcome(request_id, "failed", 0, 0, "the engine is stopped")
+                return failed(request_id, "the engine is stopped")
             self._inbox.append(command)
         self._wake.set()
         try:
             return command.outcome.result(timeout=self.config.cancel_wait_seconds)
         except FutureTimeout:
-            detail = f"no step boundary within {self.config.cancel_wait_seconds:g} s"
-            return CancelOutcome(request_id, "failed", 0, 0, detail)
+            return failed(
+                request_id, f"no step boundary within {self.config.cancel_wait_seconds:g} s"
+            )
 
     def abort(self, request_id: str) -> None:
         """Ends a request whose client went away (finish reason "abort"); returns at once."""
         with self._lock:
-            self._inbox.append(_Abort(request_id))
+            self._inbox.append(Abort(request_id))
         self._wake.set()
-
-    def _sampling(self, request: GenerationRequest) -> Sampling:
-        if request.temperature <= 0.0:
-            return Sampling()
-        generator = torch.Generator(device=self._device)
-        if request.seed is not None:
-            generator.manual_seed(request.seed)
-        else:
-            generator.seed()
-        return Sampling(request.temperature, generator)
 
     def _enqueue(self, live: LiveRequest) -> None:
         request_id = live.request.request_id
@@ -251,9 +240,14 @@ class Engine:
             self._apply(command)
         if closed:
             return False
+        self._parking.release_spent_grants()
+        self._parking.resume_ready()
         plan = self._scheduler.schedule()
+        for seq in self._parking.restore(plan.prefills):  # before their step: KV back in place
+            self._resumed(self._live[seq.request_id])
         if self.config.debug_checks:
             self.kv.check_invariants()
+            self._parking.check_invariants()
         for seq in plan.prefills:  # so a stream opened at its first token shows its blocks
             self._live[seq.request_id].handle.kv_blocks = self.kv.num_blocks_of(seq.request_id)
         for group in plan.decodes, plan.prefills:
@@ -271,30 +265,53 @@ class Engine:
             self._live[command.request.request_id] = command
             self._scheduler.add(command.seq)
             self.metrics.prompt_tokens.inc(command.seq.num_prompt_tokens)
-        elif isinstance(command, _Cancel):
-            self._cancel_now(command)
+        elif isinstance(command, Order):
+            live = self._live.get(command.request_id)
+            request_id = command.request_id
+            if live is None:
+                command.outcome.set_result(not_live(request_id, request_id in self._finished_ids))
+            elif isinstance(command, ParkOrder):
+                self._park_now(command, live)
+            else:
+                self._cancel_now(command, live)
         else:
             live = self._live.get(command.request_id)
             if live is not None:
                 self._finish(live, FINISH_ABORT, detail="client disconnected")
 
-    def _cancel_now(self, command: _Cancel) -> None:
-        request_id = command.request_id
-        live = self._live.get(request_id)
-        if live is None:
-            if request_id in self._finished_ids:
-                detail = "it already finished; its blocks are free"
-                outcome = CancelOutcome(request_id, "already_finished", 0, 0, detail)
-            else:
-                outcome = CancelOutcome(request_id, "unknown_request", 0, 0, "no such request")
-            command.outcome.set_result(outcome)
-            return
-        _log.info("cancelling %s: %s", request_id, command.reason)
+    def _cancel_now(self, command: Order, live: LiveRequest) -> None:
+        _log.info("cancelling %s: %s", command.request_id, command.reason)
         freed = self._finish(live, FINISH_ABORT, cancelled=True, detail=command.reason)
-        command.outcome.set_result(
-            CancelOutcome(request_id, "cancelled", freed, freed * self.description.bytes_per_block)
-        )
+        command.outcome.set_result(self._freed(command, "cancelled", freed))
         _call_safely(live.request.on_cancelled)
+
+    def _park_now(self, command: ParkOrder, live: LiveRequest) -> None:
+        refusal = self._parking.refusal(live)
+        if refusal is not None:
+            command.outcome.set_result(CancelOutcome(command.request_id, "declined", 0, 0, refusal))
+            return
+        _log.info("parking %s: %s", command.request_id, command.reason)
+        self._fence.wait()
+        freed = self._parking.park(live)
+        command.outcome.set_result(self._freed(command, "parked", freed))
+        self._report_kv(live, 0)
+
+    def _freed(self, command: Order, status: str, blocks: int) -> CancelOutcome:
+        """The answer to an order that freed `blocks`."""
+        bytes_freed = blocks * self.description.bytes_per_block
+        return CancelOutcome(command.request_id, status, blocks, bytes_freed)
+
+    def _resumed(self, live: LiveRequest) -> None:
+        """A resumed request holds its KV again: tells its `on_resumed` (which carries the new
+        block count, so no `on_kv_change` repeats it)."""
+        blocks = self.kv.num_blocks_of(live.seq.request_id)
+        live.reported_blocks, live.reported_seconds = blocks, time.monotonic()
+        _call_safely(live.request.on_resumed, blocks, 0)
+
+    def _report_kv(self, live: LiveRequest, blocks: int) -> None:
+        """Tells the request's `on_kv_change` of its block count now."""
+        live.reported_blocks, live.reported_seconds = blocks, time.monotonic()
+        _call_safely(live.request.on_kv_change, blocks, live.seq.num_generated)
 
     def _finish(
         self, live: LiveRequest, reason: str, *, cancelled: bool = False, detail: str = ""
@@ -303,6 +320,7 @@ class Engine:
         self._fence.wait()
         freed = self._scheduler.remove(live.seq)
         request_id = live.request.request_id
+        self._parking.forget(request_id)
         del self._live[request_id]
         self._finished_ids[request_id] = None
         if len(self._finished_ids) > FINISHED_IDS_REMEMBERED:
@@ -316,8 +334,7 @@ class Engine:
         self.metrics.request_success.labels(finished_reason=reason).inc()
         self.metrics.e2e_request_latency.observe(time.monotonic() - live.arrival_seconds)
         live.handle.kv_blocks = 0
-        if live.request.on_kv_change is not None:
-            _call_safely(live.request.on_kv_change, 0, seq.num_generated)
+        self._report_kv(live, 0)
         return freed
 
     def _end_all(self, reason: str, detail: str, *, free_blocks: bool) -> None:
@@ -327,16 +344,15 @@ class Engine:
                 self._finish(live, reason, detail=detail)
             else:
                 seq = live.seq
+                self._parking.forget(seq.request_id)
                 finish = Finish(reason, seq.num_prompt_tokens, seq.num_generated, detail=detail)
                 live.handle.channel.finish(finish)
         with self._lock:
             commands, self._inbox = self._inbox, []
             self._closed = True
         for command in commands:
-            if isinstance(command, _Cancel):
-                command.outcome.set_result(
-                    CancelOutcome(command.request_id, "failed", 0, 0, detail)
-                )
+            if isinstance(command, Order):
+                command.outcome.set_result(failed(command.request_id, detail))
             elif isinstance(command, LiveRequest):
                 command.handle.channel.finish(Finish(reason, command.seq.num_prompt_tokens, 0))
 
@@ -357,18 +373,20 @@ class Engine:
                 state = "egress_blocked"
                 egress_blocked += 1
             requests.append(RequestSnapshot(request_id, state, blocks, generated))
-            callback = live.request.on_kv_change
             if (
-                callback is not None
-                and blocks != live.reported_blocks
+                blocks != live.reported_blocks
                 and now - live.reported_seconds >= KV_REPORT_INTERVAL_SECONDS
             ):
-                live.reported_blocks, live.reported_seconds = blocks, now
-                _call_safely(callback, blocks, generated)
+                self._report_kv(live, blocks)
+        parking = self._parking
         return EngineStats(
             running=len(self._scheduler.running),
             waiting=len(self._scheduler.waiting),
             egress_blocked=egress_blocked,
+            parked=parking.num_parked,
+            parked_host_bytes=parking.host_bytes,
+            num_parks=parking.num_parks,
+            num_resumes=parking.num_resumes,
             kv_blocks_used=self.kv.num_used_blocks,
             kv_blocks_total=self.kv.num_blocks,
             bytes_per_block=self.description.bytes_per_block,

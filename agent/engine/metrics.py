@@ -26,18 +26,25 @@ class RequestSnapshot:
     """One live request as the engine thread last published it."""
 
     request_id: str
-    state: str  # "waiting", "running" or "egress_blocked" (running, but its queue is full)
+    state: str  # "waiting", "running", "egress_blocked" (running, its queue full) or "parked"
     kv_blocks: int
     tokens_out: int
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A consistent snapshot, published by the engine thread after every iteration."""
+    """A consistent snapshot, published by the engine thread after every iteration.
+
+    `parked`: requests parked now (their KV in host memory, `parked_host_bytes` in all);
+    `num_parks` and `num_resumes` count since start."""
 
     running: int
     waiting: int
     egress_blocked: int
+    parked: int
+    parked_host_bytes: int
+    num_parks: int
+    num_resumes: int
     kv_blocks_used: int
     kv_blocks_total: int
     bytes_per_block: int
@@ -66,6 +73,16 @@ class _StatsCollector(Collector):
                 "Running requests not advancing because their client is not reading.",
                 stats.egress_blocked,
             ),
+            (
+                "num_requests_parked",
+                "Requests parked: KV freed while their client does not read.",
+                stats.parked,
+            ),
+            (
+                "kv_cache_parked_host_bytes",
+                "Host-memory bytes holding the KV of parked requests.",
+                stats.parked_host_bytes,
+            ),
             ("kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.", stats.kv_usage),
             ("kv_cache_blocks_used", "KV-cache blocks owned by requests.", stats.kv_blocks_used),
             ("kv_cache_blocks_total", "KV-cache blocks in the pool.", stats.kv_blocks_total),
@@ -73,11 +90,17 @@ class _StatsCollector(Collector):
         )
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(PREFIX + name, documentation, value=value)
-        yield CounterMetricFamily(
-            PREFIX + "num_preemptions",
-            "Preemptions: requests whose blocks were freed to be recomputed later.",
-            value=stats.num_preemptions,
+        counters = (
+            (
+                "num_preemptions",
+                "Preemptions: requests whose blocks were freed to be recomputed later.",
+                stats.num_preemptions,
+            ),
+            ("num_parks", "Parks: requests whose KV went to host memory.", stats.num_parks),
+            ("num_resumes", "Resumes: parked requests that run again.", stats.num_resumes),
         )
+        for name, documentation, value in counters:
+            yield CounterMetricFamily(PREFIX + name, documentation, value=value)
 
 
 class EngineMetrics:

@@ -44,9 +44,11 @@ class Batch:
 class OutputChannel:
     """Bounded token queue, engine thread -> one reader.
 
-    Invariants: it holds at most `capacity` tokens; the finish record is set once, nothing is put
-    after it, and a reader sees it only together with or after the last tokens.
-    Ownership: only the engine thread calls `put` and `finish`; only one reader reads.
+    Invariants: it holds at most `capacity` tokens; the capacity only grows; the finish record
+    is set once, nothing is put after it, and a reader sees it only together with or after the
+    last tokens.
+    Ownership: only the engine thread calls `put`, `finish` and `raise_capacity`; only one
+    reader reads.
     """
 
     def __init__(self, capacity: int, on_read: Callable[[], None]) -> None:
@@ -62,6 +64,15 @@ class OutputChannel:
 
     def has_room(self) -> bool:
         return len(self._token_ids) < self.capacity
+
+    def raise_capacity(self, capacity: int) -> None:
+        """Lets the queue hold up to `capacity` tokens from now on (never fewer than now)."""
+        self.capacity = max(self.capacity, capacity)
+
+    def is_spent(self) -> bool:
+        """True once finished and empty: it holds no tokens now and will hold none again."""
+        with self._lock:
+            return self._finish is not None and not self._token_ids
 
     def put(self, token_id: int, text: str) -> None:
         with self._lock:

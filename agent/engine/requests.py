@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from kvwatch.engine.kv_cache import KVCacheManager
 from kvwatch.engine.output import Finish, OutputChannel
 from kvwatch.engine.runner import Sampling
@@ -42,7 +44,9 @@ class GenerationRequest:
     Callbacks run on the engine thread and must return at once (schedule work elsewhere):
     `on_cancelled` after `Engine.cancel` freed the request's blocks (the HTTP server resets the
     connection there); `on_kv_change(kv_blocks, tokens_out)` when the request's block count
-    changed, at most every `KV_REPORT_INTERVAL_SECONDS` and always when it drops to 0.
+    changed, at most every `KV_REPORT_INTERVAL_SECONDS` and always when it drops to 0 (at
+    once when parked); `on_resumed(kv_blocks, recomputed_tokens)` when a parked request holds
+    its KV again and runs on (`recomputed_tokens` is 0: its KV was copied back).
     """
 
     request_id: str
@@ -52,6 +56,7 @@ class GenerationRequest:
     seed: int | None = None
     on_cancelled: Callable[[], None] | None = None
     on_kv_change: Callable[[int, int], None] | None = None
+    on_resumed: Callable[[int, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,25 @@ class LiveRequest:
     last_token_seconds: float = 0.0
     reported_blocks: int = 0
     reported_seconds: float = 0.0
+
+    @classmethod
+    def new(
+        cls,
+        request: GenerationRequest,
+        queue_tokens: int,
+        on_read: Callable[[], None],
+        device: torch.device,
+    ) -> LiveRequest:
+        """A request as just submitted: its sequence, an output queue of `queue_tokens`
+        whose reads call `on_read`, and its sampling (a generator on `device`)."""
+        prompt = list(request.prompt_token_ids)
+        return cls(
+            seq=Sequence(request.request_id, prompt, len(prompt), request.max_tokens),
+            request=request,
+            handle=RequestHandle(request.request_id, OutputChannel(queue_tokens, on_read)),
+            sampling=Sampling.drawn(request.temperature, request.seed, device),
+            arrival_seconds=time.monotonic(),
+        )
 
 
 def check_fits(

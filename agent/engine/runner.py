@@ -20,6 +20,19 @@ class Sampling:
     temperature: float = 0.0
     generator: torch.Generator | None = None
 
+    @classmethod
+    def drawn(cls, temperature: float, seed: int | None, device: torch.device) -> Sampling:
+        """Greedy at temperature 0; else sampled with a new generator on `device`, seeded
+        with `seed` (or randomly)."""
+        if temperature <= 0.0:
+            return cls()
+        generator = torch.Generator(device=device)
+        if seed is not None:
+            generator.manual_seed(seed)
+        else:
+            generator.seed()
+        return cls(temperature, generator)
+
 
 class ModelRunner:
     """Turns sequences into one forward call and sampled tokens.

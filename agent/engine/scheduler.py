@@ -4,6 +4,8 @@ Each step the scheduler (1) reserves one more KV slot for every running request 
 preempting the newest running requests when the pool runs out, then (2) admits waiting requests
 first-come first-served while their prompt fits in the free blocks. Preemption frees a request's
 blocks and puts it back at the head of the queue; it is recomputed from its tokens later.
+Parking frees the blocks of a request whose client is not reading and keeps it out of both;
+resuming puts it at the head of the queue, and the engine copies its KV back in once admitted.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvwatch.engine.kv_cache import KVCacheManager
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PARKED = "parked"
     FINISHED = "finished"
 
 
@@ -27,8 +30,10 @@ class Sequence:
     """One request's tokens and progress. Owned by the engine thread.
 
     `token_ids` holds the prompt then every generated token; the KV of the first
-    `num_computed_tokens` of them is in the cache. A running request between steps has exactly
-    one uncomputed token: the last one it generated.
+    `num_computed_tokens` of them is in the cache, except for a parked request and a resumed
+    one not yet admitted again: their KV is in the engine's host copy (`ParkingLot`) until
+    admission gives them blocks and the engine copies it back, before their next step. A
+    running request between steps has exactly one uncomputed token: the last one it generated.
     """
 
     request_id: str
@@ -65,9 +70,10 @@ class Scheduler:
     """Waiting queue and running set over one `KVCacheManager`.
 
     Invariants: a sequence is in at most one of `waiting` and `running`, and its status says
-    which; waiting sequences own no blocks; after `schedule`, every planned sequence's block
-    table covers all its tokens. A request blocked on egress (its client is not reading, in
-    coupled mode) is neither advanced nor chosen as a preemption victim: it keeps its blocks.
+    which (a parked one is in neither); waiting and parked sequences own no blocks; after
+    `schedule`, every planned sequence's block table covers all its tokens. A request blocked
+    on egress (its client is not reading, in coupled mode) is neither advanced nor chosen as a
+    preemption victim: it keeps its blocks, unless the engine parks it.
 
     Ownership: the engine thread alone calls every method.
     """
@@ -101,6 +107,19 @@ class Scheduler:
             self.running.remove(seq)
         seq.status = SeqStatus.FINISHED
         return self.kv.free(seq.request_id)
+
+    def park(self, seq: Sequence) -> int:
+        """Takes a running sequence out of scheduling and frees its blocks; returns how many.
+        It keeps `num_computed_tokens`. The caller must have waited for device work on those
+        blocks and copied what it needs from them."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.PARKED
+        return self.kv.free(seq.request_id)
+
+    def resume(self, seq: Sequence) -> None:
+        """Puts a parked sequence at the head of the queue, ahead of new work."""
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()

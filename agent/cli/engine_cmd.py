@@ -109,6 +109,14 @@ MAX_SOCKET_BUFFER = (1 << 31) - 1  # SO_SNDBUF is a C int
     help="Coupled mode: tokens a request may run ahead of its client.",
 )
 @click.option(
+    "--park/--no-park",
+    default=True,
+    show_default=True,
+    help="Let the kvwatch agent park a request whose client stops reading: its KV goes to "
+    "host memory and its blocks back to the pool; once the client reads, it runs on "
+    "ahead of new work, with the same output. --no-park: the hook does not offer it.",
+)
+@click.option(
     "--max-running",
     type=click.IntRange(min=1),
     default=64,
@@ -169,7 +177,9 @@ def command(**options: Any) -> None:
 
     With the hook on (the default) the engine tells a kvwatch agent about each stream and
     its KV blocks, and the agent can cancel a stalled stream: the engine frees its blocks and
-    resets the client's connection. Without an agent it runs normally. Stops on Ctrl-C/SIGTERM.
+    resets the client's connection. It can also park a stream whose client stops reading
+    (unless --no-park): the blocks are freed, the connection stays, and the stream resumes
+    when the client reads. Without an agent it runs normally. Stops on Ctrl-C/SIGTERM.
     """
     # torch and uvicorn load only when the engine runs, so `kvwatch --help` stays quick.
     from kvwatch.engine.engine import Engine

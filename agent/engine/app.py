@@ -51,6 +51,8 @@ class StreamObserver(Protocol):
 
     def stream_updated(self, request_id: str, kv_blocks: int, tokens_out: int) -> None: ...
 
+    def stream_resumed(self, request_id: str, kv_blocks: int, recomputed_tokens: int) -> None: ...
+
     def stream_closed(self, request_id: str, reason: str) -> None: ...
 
 
@@ -68,9 +70,11 @@ def socket_ends(scope: Scope) -> tuple[tuple[str, int], tuple[str, int]] | None:
 
 
 class StreamAnnouncer:
-    """Forwards stream events to an optional observer: open, updates, close, in that order.
+    """Forwards stream events to an optional observer: open, updates and resumes, close, in
+    that order.
 
-    Thread-safe: `kv_changed` runs on the engine thread, the rest on the event loop. The lock
+    Thread-safe: `kv_changed` and `resumed` run on the engine thread, the rest on the event
+    loop. The lock
     is held across the observer's calls, which never block (the hook only queues)."""
 
     def __init__(self, observer: StreamObserver | None) -> None:
@@ -90,6 +94,11 @@ class StreamAnnouncer:
         with self._lock:
             if self._observer is not None and request_id in self._open:
                 self._observer.stream_updated(request_id, kv_blocks, tokens_out)
+
+    def resumed(self, request_id: str, kv_blocks: int, recomputed_tokens: int) -> None:
+        with self._lock:
+            if self._observer is not None and request_id in self._open:
+                self._observer.stream_resumed(request_id, kv_blocks, recomputed_tokens)
 
     def closed(self, request_id: str, reason: str) -> None:
         with self._lock:
@@ -239,6 +248,9 @@ class EngineRoutes:
         def on_kv_change(kv_blocks: int, tokens_out: int) -> None:
             self.announcer.kv_changed(rid, kv_blocks, tokens_out)
 
+        def on_resumed(kv_blocks: int, recomputed_tokens: int) -> None:
+            self.announcer.resumed(rid, kv_blocks, recomputed_tokens)
+
         try:
             return self.engine.submit(
                 GenerationRequest(
@@ -249,6 +261,7 @@ class EngineRoutes:
                     seed=parsed.seed,
                     on_cancelled=on_cancelled,
                     on_kv_change=on_kv_change if parsed.stream else None,
+                    on_resumed=on_resumed if parsed.stream else None,
                 )
             )
         except (RequestRejectedError, EngineOverloadedError, EngineUnavailableError) as exc:

@@ -148,7 +148,9 @@ class HookLike(StreamObserver, Protocol):
 
 
 def attach_hook(engine: Engine, socket_path: str | None) -> HookLike:
-    """Builds the kvwatch hook for this engine: cancels from the agent run `Engine.cancel`.
+    """Builds the kvwatch hook for this engine: cancels from the agent run `Engine.cancel`,
+    and parks `Engine.park` unless parking is off (the hello then does not offer "park").
 
     The hook connects in the background; with no agent present the engine runs normally."""
-    return EngineHook(engine_info(engine), engine.cancel, socket_path)
+    park_handler = engine.park if engine.config.park else None
+    return EngineHook(engine_info(engine), engine.cancel, socket_path, park_handler=park_handler)

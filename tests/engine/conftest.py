@@ -1,4 +1,5 @@
-"""Fixtures of the engine tests: real engines, real HTTP servers on loopback, raw-socket clients.
+"""Fixtures of the engine tests: real engines, real HTTP servers on loopback, raw-socket clients,
+and a minimal agent on the engine hook's unix socket.
 
 Every engine here is the tiny model on the CPU; every server listens on a free loopback port
 and is stopped (engine included) when its test ends.
@@ -7,16 +8,20 @@ and is stopped (engine included) when its test ends.
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvwatch.engine.config import EngineConfig
 from kvwatch.engine.engine import Engine
-from kvwatch.engine.engine_server import EngineServer
+from kvwatch.engine.engine_server import EngineServer, attach_hook
+from kvwatch.hookwire.protocol import LineFramer, Message, encode
 
 STALLED_RCVBUF_BYTES = 4096
+AGENT_WAIT_SECONDS = 10.0
 
 
 def tiny_config(**overrides: Any) -> EngineConfig:
@@ -104,3 +109,63 @@ def stalled_clients() -> Iterator[list[StalledClient]]:
     yield clients
     for client in clients:
         client.close()
+
+
+class MiniAgent:
+    """Accepts one hook connection, records its messages, sends what the test asks."""
+
+    def __init__(self, path: Path) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(1)
+        self.conn: socket.socket | None = None
+        self.messages: list[Message] = []
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        self.conn = conn
+        framer = LineFramer(sender="engine")
+        while data := conn.recv(65536):  # a reset by the hook ends the test agent too
+            with self._cond:
+                self.messages.extend(m for m in framer.feed(data) if isinstance(m, Message))
+                self._cond.notify_all()
+
+    def wait_for(self, predicate: Callable[[Message], bool], what: str) -> Message:
+        with self._cond:
+            seen = self._cond.wait_for(
+                lambda: any(predicate(m) for m in self.messages), AGENT_WAIT_SECONDS
+            )
+            assert seen, f"agent never got {what}; it got {self.messages}"
+            return next(m for m in reversed(self.messages) if predicate(m))
+
+    def send(self, message: Message) -> None:
+        assert self.conn is not None
+        self.conn.sendall(encode(message))
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.shutdown(socket.SHUT_RDWR)
+            self.conn.close()
+        self.listener.close()
+        self._thread.join(AGENT_WAIT_SECONDS)
+
+
+@pytest.fixture
+def hooked_server(tmp_path: Path) -> Iterator[tuple[EngineServer, MiniAgent]]:
+    """A coupled engine (64 blocks) served over HTTP, its hook on a test agent's socket."""
+    agent = MiniAgent(tmp_path / "engine.sock")
+    engine = Engine(tiny_config(kv_blocks=64, egress="coupled"))
+    server = EngineServer(
+        engine,
+        "127.0.0.1",
+        0,
+        sndbuf_bytes=4096,
+        hook=attach_hook(engine, str(tmp_path / "engine.sock")),
+    )
+    server.start_in_thread()
+    yield server, agent
+    server.stop()
+    agent.close()

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -20,83 +17,12 @@ import pytest
 
 from kvwatch.engine.engine import Engine
 from kvwatch.engine.engine_server import EngineServer, attach_hook
-from kvwatch.hookwire.protocol import (
-    Cancel,
-    Cancelled,
-    Close,
-    EngineInfo,
-    LineFramer,
-    Message,
-    Open,
-    Update,
-    encode,
-)
+from kvwatch.hookwire.protocol import Cancel, Cancelled, Close, EngineInfo, Open, Update
 from kvwatch.sockets import Endpoint
-from tests.engine.conftest import StalledClient, tiny_config
+from tests.engine.conftest import MiniAgent, StalledClient, tiny_config
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
-
-WAIT_SECONDS = 10.0
-
-
-class MiniAgent:
-    """Accepts one hook connection, records its messages, sends what the test asks."""
-
-    def __init__(self, path: Path) -> None:
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(path))
-        self.listener.listen(1)
-        self.conn: socket.socket | None = None
-        self.messages: list[Message] = []
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        conn, _ = self.listener.accept()
-        self.conn = conn
-        framer = LineFramer(sender="engine")
-        while data := conn.recv(65536):  # a reset by the hook ends the test agent too
-            with self._cond:
-                self.messages.extend(m for m in framer.feed(data) if isinstance(m, Message))
-                self._cond.notify_all()
-
-    def wait_for(self, predicate: Callable[[Message], bool], what: str) -> Message:
-        with self._cond:
-            seen = self._cond.wait_for(
-                lambda: any(predicate(m) for m in self.messages), WAIT_SECONDS
-            )
-            assert seen, f"agent never got {what}; it got {self.messages}"
-            return next(m for m in reversed(self.messages) if predicate(m))
-
-    def send(self, message: Message) -> None:
-        assert self.conn is not None
-        self.conn.sendall(encode(message))
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.shutdown(socket.SHUT_RDWR)
-            self.conn.close()
-        self.listener.close()
-        self._thread.join(WAIT_SECONDS)
-
-
-@pytest.fixture
-def hooked_server(tmp_path: Path) -> Iterator[tuple[EngineServer, MiniAgent]]:
-    agent = MiniAgent(tmp_path / "engine.sock")
-    engine = Engine(tiny_config(kv_blocks=64, egress="coupled"))
-    server = EngineServer(
-        engine,
-        "127.0.0.1",
-        0,
-        sndbuf_bytes=4096,
-        hook=attach_hook(engine, str(tmp_path / "engine.sock")),
-    )
-    server.start_in_thread()
-    yield server, agent
-    server.stop()
-    agent.close()
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from pathlib import Path
 from kvwatch.collect.bpf.btf import datasec_offset
 from kvwatch.collect.bpf.layout import MAX_FILTER_PORTS, KvSettings
 from kvwatch.collect.bpf.libbpf import BTF_KIND_TYPEDEF, check_ptr, check_rc, libbpf, privilege_hint
-from kvwatch.collect.bpf.maps import HashTable, SocketTable, StorageTable
+from kvwatch.collect.bpf.maps import HashTable, SocketTable, StorageTable, UnreadableTable
 from kvwatch.errors import BpfError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,7 @@ class _OpenObject:
         send_mode: str,
         tracepoint_mode: str,
         storage: str,
+        readable: bool = True,
     ) -> None:
         self.lib = libbpf()
         self.handle = check_ptr(
@@ -215,6 +216,7 @@ class _OpenObject:
         self.links: list[int] = []
         self.points: dict[str, str] = {}
         self.storage = storage
+        self.readable = readable
         try:
             self._configure(settings, send_mode, tracepoint_mode)
             check_rc(self.lib.bpf_object__load(self.handle), f"load BPF programs ({send_mode})")
@@ -242,7 +244,7 @@ class _OpenObject:
         wanted = {send_program(send_mode), *tracepoint_programs(tracepoint_mode).values()}
         if send_mode in PROBE0_PROGRAMS:
             wanted.add(PROBE0_PROGRAMS[send_mode])
-        if self.storage == "sk_storage":
+        if self.storage == "sk_storage" and self.readable:
             wanted.add(STORAGE_ITERATOR)
         prog = self.lib.bpf_object__next_program(self.handle, None)
         while prog:
@@ -310,20 +312,26 @@ class BpfPrograms:
 
     Invariant: while open, the send, ACK, lifecycle and retransmit attach points are attached and
     the map fds are valid. Owned by one collector; not shared between threads that may close it.
+    `readable=False` loads socket storage's programs without its iterator, so its table cannot
+    be read (`table` refuses): for measuring the handlers where a kernel refuses the iterator.
     """
 
-    def __init__(self, settings: CollectorSettings, path: Path | None = None) -> None:
+    def __init__(
+        self, settings: CollectorSettings, path: Path | None = None, readable: bool = True
+    ) -> None:
         settings.validate()
         self.settings = settings
         self.report = AttachReport()
-        self._object = self._load(path or object_path(), settings)
+        self._object = self._load(path or object_path(), settings, readable)
         self.report.points = dict(self._object.points)
         self.report.storage = self._object.storage
         self.sockets_fd = self._object.map_fd("kv_sockets")
         self.events_fd = self._object.map_fd("kv_events")
         self.stats_fd = self._object.map_fd("kv_stats")
         self.table: SocketTable = HashTable(self.sockets_fd)
-        if self._object.storage == "sk_storage":
+        if self._object.storage == "sk_storage" and not readable:
+            self.table = UnreadableTable()
+        elif self._object.storage == "sk_storage":
             try:
                 self.table = StorageTable(
                     self._object.program(STORAGE_ITERATOR),
@@ -334,7 +342,7 @@ class BpfPrograms:
                 raise
         log.debug("%s", self.report.describe())
 
-    def _load(self, path: Path, settings: CollectorSettings) -> _OpenObject:
+    def _load(self, path: Path, settings: CollectorSettings, readable: bool) -> _OpenObject:
         tracepoint_mode = settings.tracepoint_mode
         if tracepoint_mode == "auto":
             tracepoint_mode = tracepoint_mode_for_kernel()
@@ -352,7 +360,7 @@ class BpfPrograms:
             refused: dict[str, str] = {}
             for storage in storages:
                 try:
-                    opened = _OpenObject(path, settings, mode, tracepoint_mode, storage)
+                    opened = _OpenObject(path, settings, mode, tracepoint_mode, storage, readable)
                 except BpfError as exc:
                     refused[storage] = exc.message
                     log.debug("send mode %s with %s refused: %s", mode, storage, exc.message)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from kvwatch.collect.bpf.layout import STAT_NAMES, KvEvent, KvSockRecord
 from kvwatch.collect.bpf.libbpf import RingBufferSampleFn, check_ptr, check_rc, libbpf
+from kvwatch.errors import BpfError
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,19 @@ class HashTable:
 
     def close(self) -> None:
         """The map belongs to the programs' object: nothing of its own to free."""
+
+
+class UnreadableTable:
+    """Socket-local storage loaded without its iterator (`BpfPrograms(readable=False)`)."""
+
+    def read_raw(self) -> dict[int, bytes]:
+        raise BpfError("socket records loaded without their reader", "load them readable")
+
+    def read(self, key: int) -> KvSockRecord | None:
+        return KvSockRecord.from_buffer_copy(self.read_raw()[key])
+
+    def close(self) -> None:
+        """Nothing of its own to free."""
 
 
 class BpfIterLinkInfo(ctypes.Structure):

@@ -29,6 +29,9 @@ TOOK_EFFECT = {"cancelled", "reset", "parked", "detached"}
 # An action that failed (or raised) is tried again after each of these delays, within its
 # stall episode and on the kernel's confirmation each time; the budget is charged once.
 RETRY_DELAYS_SECONDS = (1.0, 2.0, 4.0)
+# A park the engine declined (its own write buffer still filling: it is not held by its
+# client yet) is asked for again after each of these; the engine is held within a moment.
+PARK_RETRY_DELAYS_SECONDS = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
 class Executor:
@@ -55,9 +58,11 @@ class Executor:
 
     async def on_pressure(self, episode: Episode, view: StreamView) -> float | None:
         """A stream under back-pressure for `park_seconds`, not stalled yet: once per
-        episode, the park rule decides; a park (or detach) is carried out once, without the
-        kernel's confirmation (it cuts nothing) and without the budget (it bounds cuts).
-        Returns when to look at the stream again for a park, or None."""
+        episode, the park rule decides; a park (or detach) is carried out without the
+        kernel's confirmation (it cuts nothing) and without the budget (it bounds cuts). One
+        that took no effect (the engine declined: its own write buffer is still filling)
+        is asked again after each of PARK_RETRY_DELAYS_SECONDS. Returns when to look at the
+        stream again for a park, or None."""
         if episode.park_decided:
             return None
         decision = self.decider.decide_park(view)
@@ -66,11 +71,17 @@ class Executor:
         ref, evidence = self.recorder.decision(view, decision, episode, None)
         if decision.verdict == "skip":
             return retry_after(decision)
-        episode.park_decided = True
-        if decision.verdict == "act":
-            unfinished = Unfinished(decision.reason, ref, evidence, decision.actions)
-            await self._carry_out(view, unfinished)
-        return None
+        if decision.verdict != "act":
+            episode.park_decided = True
+            return None
+        unfinished = Unfinished(decision.reason, ref, evidence, decision.actions)
+        episode.park_tries += 1
+        unfinished.tries = episode.park_tries
+        await self._carry_out(view, unfinished)
+        if unfinished.took_effect or episode.park_tries > len(PARK_RETRY_DELAYS_SECONDS):
+            episode.park_decided = True
+            return None
+        return PARK_RETRY_DELAYS_SECONDS[episode.park_tries - 1]
 
     async def _handle(self, episode: Episode, view: StreamView, decision: Decision) -> float | None:
         kernel: dict[str, Any] | None = None

@@ -41,7 +41,8 @@ class Episode:
     decision last written ((verdict, reason), its reference, its evidence); `acted` whether
     it got "act" or "would_act"; `unfinished` the actions still to try; `failed` what failed
     on every try (for `streams`, `top` and the metrics); `park_decided` whether the park
-    rule (kvwatch.policy.park) has had its one decision in the episode."""
+    rule (kvwatch.policy.park) is done with the episode, `park_tries` how often its park was
+    asked for."""
 
     number: int
     stalled_since_ns: int = 0
@@ -50,6 +51,7 @@ class Episode:
     unfinished: Unfinished | None = None
     failed: dict[str, Any] | None = None
     park_decided: bool = False
+    park_tries: int = 0
 
 
 class Episodes:

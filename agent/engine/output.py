@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,13 +62,29 @@ class OutputChannel:
         self._finish: Finish | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
+        # The reader's comings and goings: batches it took, when it last took one (or the
+        # queue was made), and whether it is waiting for output now (kvwatch.engine.parking).
+        self.batches_taken = 0
+        self._left_ns = time.monotonic_ns()
+        self._reader_waiting = False
 
     def has_room(self) -> bool:
         return len(self._token_ids) < self.capacity
 
+    @property
+    def unread(self) -> int:
+        """Tokens put and not yet taken by the reader."""
+        return len(self._token_ids)
+
     def raise_capacity(self, capacity: int) -> None:
         """Lets the queue hold up to `capacity` tokens from now on (never fewer than now)."""
         self.capacity = max(self.capacity, capacity)
+
+    def held_seconds(self, now_ns: int) -> float:
+        """How long the reader has been away with its last batch (its writer held in a
+        send, when the client does not read); 0 while it waits for output."""
+        with self._lock:
+            return 0.0 if self._reader_waiting else max(0, now_ns - self._left_ns) / 1e9
 
     def is_spent(self) -> bool:
         """True once finished and empty: it holds no tokens now and will hold none again."""
@@ -102,6 +119,9 @@ class OutputChannel:
             return None
         batch = Batch(self._token_ids, self._text, self._finish)
         self._token_ids, self._text = [], []
+        self.batches_taken += 1
+        self._left_ns = time.monotonic_ns()
+        self._reader_waiting = False
         return batch
 
     async def next_batch(self) -> Batch:
@@ -110,6 +130,7 @@ class OutputChannel:
             with self._lock:
                 batch = self._take()
                 if batch is None:
+                    self._reader_waiting = True
                     self._loop = asyncio.get_running_loop()
                     self._event = self._event or asyncio.Event()
                     self._event.clear()
@@ -122,9 +143,11 @@ class OutputChannel:
     def wait_batch(self, timeout_seconds: float | None = None) -> Batch | None:
         """Waits on this thread; None when the timeout passed with nothing to read."""
         with self._lock:
+            self._reader_waiting = True
             self._ready.wait_for(
                 lambda: bool(self._token_ids) or self._finish is not None, timeout_seconds
             )
+            self._reader_waiting = False
             batch = self._take()
         if batch is not None:
             self._on_read()

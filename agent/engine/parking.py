@@ -1,5 +1,6 @@
 """Parking: a request whose client is not reading gives its KV blocks back and keeps its place;
-once its client reads again it runs on exactly where it stopped.
+once its client has read again (its writer's send went through) it runs on exactly where it
+stopped.
 
 On park the contents of the request's blocks are copied to host memory and the blocks return to
 the pool; on resume the request goes to the head of the queue and, once admitted into fresh
@@ -13,11 +14,15 @@ runs for a parked request, so its generator draws nothing.
 
 A resumed request's output queue is widened to hold the rest of its generation, drawn from one
 budget per engine, so a slow reader is parked once: its request then runs to its end at engine
-speed, frees its blocks there, and a later park finds it not waiting on its client.
+speed, frees its blocks there, and a later park finds it not held by its client. A park is
+accepted once the request's writer has been held in a send for HELD_SECONDS: under a client
+that stopped reading, the server's own write buffer fills a moment after the socket's, and a
+park that comes before is declined (the agent asks again).
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -30,6 +35,9 @@ from kvwatch.engine.requests import LiveRequest
 from kvwatch.engine.scheduler import Scheduler, SeqStatus, Sequence
 
 _BUG_HINT = "this is a bug in the reference engine; report it with the engine log"
+# A writer away this long with its last batch is held in a send by its client: a writer that
+# is not comes back for more within a step or two.
+HELD_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ class ParkingLot:
         self.host_limit_bytes = host_limit_bytes
         self.resume_buffer_tokens = resume_buffer_tokens
         self._parked: dict[str, LiveRequest] = {}  # waiting on their client, oldest first
+        self._taken_at_park: dict[str, int] = {}  # their writers' batches taken when parked
         self._copies: dict[str, _HostCopy] = {}
         self._grants: list[_Grant] = []
         self.host_bytes = 0
@@ -95,8 +104,15 @@ class ParkingLot:
         blocks = self._kv.num_blocks_of(seq.request_id)
         if seq.status is not SeqStatus.RUNNING or blocks == 0:
             return "it holds no KV blocks: it is waiting for admission"
-        if live.handle.channel.has_room():
-            return "it is not waiting on its client: its output queue has room"
+        channel = live.handle.channel
+        if channel.capacity - channel.unread >= seq.max_tokens - seq.num_generated:
+            return "it is not held by its client: its output queue holds the rest of its answer"
+        held = channel.held_seconds(time.monotonic_ns())
+        if held < HELD_SECONDS:
+            return (
+                f"it is not waiting on its client: its writer is not held in a send "
+                f"(it took output {held * 1000:.0f} ms ago)"
+            )
         needed = blocks * self._storage.bytes_per_block
         if self.host_bytes + needed > self.host_limit_bytes:
             return (
@@ -115,15 +131,24 @@ class ParkingLot:
         self._copies[request_id] = copy
         self.host_bytes += copy.num_bytes
         self._parked[request_id] = live
+        self._taken_at_park[request_id] = live.handle.channel.batches_taken
         self.num_parks += 1
         return freed
 
     def resume_ready(self) -> None:
-        """Sends each parked request whose client read again to the head of the queue (the
-        longest parked first) and widens its output queue."""
-        ready = [live for live in self._parked.values() if live.handle.channel.has_room()]
+        """Sends each parked request whose client read again (its writer's send went through:
+        it took another batch, or waits for output) to the head of the queue (the longest
+        parked first) and widens its output queue."""
+        now_ns = time.monotonic_ns()
+        ready = [
+            live
+            for request_id, live in self._parked.items()
+            if live.handle.channel.batches_taken > self._taken_at_park[request_id]
+            or not live.handle.channel.held_seconds(now_ns)
+        ]
         for live in reversed(ready):  # each goes in front: the first parked ends up first
             del self._parked[live.seq.request_id]
+            del self._taken_at_park[live.seq.request_id]
             self._scheduler.resume(live.seq)
             self._widen(live)
 
@@ -144,6 +169,7 @@ class ParkingLot:
     def forget(self, request_id: str) -> None:
         """Drops what is kept for a request that ended: its parked place and its host copy."""
         self._parked.pop(request_id, None)
+        self._taken_at_park.pop(request_id, None)
         copy = self._copies.pop(request_id, None)
         if copy is not None:
             self.host_bytes -= copy.num_bytes

@@ -20,6 +20,7 @@ import torch
 
 from kvwatch.engine.attention import bytes_per_block
 from kvwatch.engine.engine import Engine
+from kvwatch.engine.parking import HELD_SECONDS
 from kvwatch.engine.requests import GenerationRequest, RequestHandle
 from tests.engine.conftest import tiny_config
 from tests.waiting import wait_until
@@ -101,8 +102,15 @@ def wait_state(engine: Engine, reader: Reader, state: str) -> None:
 
 
 def park_blocked(engine: Engine, reader: Reader) -> int:
-    """Waits until the request is blocked on its reader, parks it; returns the blocks freed."""
+    """Waits until the request is blocked on its reader (and the reader has been away for
+    HELD_SECONDS), parks it; returns the blocks freed."""
     wait_state(engine, reader, "egress_blocked")
+    channel = reader.handle.channel
+    wait_until(
+        lambda: channel.held_seconds(time.monotonic_ns()) >= HELD_SECONDS,
+        WAIT_SECONDS,
+        "the reader held away",
+    )
     outcome = engine.park(reader.request_id, "test")
     assert outcome.status == "parked", outcome
     assert outcome.freed_bytes == outcome.freed_blocks * engine.description.bytes_per_block
@@ -230,7 +238,7 @@ def test_park_is_declined_when_the_client_reads(make_engine: Callable[..., Engin
     wait_state(engine, reader, "running")
     outcome = engine.park(reader.request_id, "test")
     assert (outcome.status, outcome.freed_blocks) == ("declined", 0)
-    assert "not waiting on its client" in outcome.detail
+    assert "not held by its client" in outcome.detail
     reader.read_all()
 
 
@@ -370,7 +378,9 @@ def test_parks_racing_finish_cancel_abort_and_preemption_never_corrupt_kv(
     def read_with_pauses(reader: Reader, seed: int) -> None:
         pacing = random.Random(seed)
         while not reader.read_batch():
-            time.sleep(pacing.uniform(0.0, 0.05))  # deliberate: readers pause, requests block
+            # deliberate: readers pause, requests block, and now and then long enough to park
+            pause = HELD_SECONDS * 1.5 if pacing.random() < 0.2 else pacing.uniform(0.0, 0.05)
+            time.sleep(pause)
 
     def disturb(seed: int) -> None:
         chaos = random.Random(seed)

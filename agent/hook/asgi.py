@@ -7,10 +7,14 @@
 Each streaming (text/event-stream) response is announced to the kvwatch agent at its first
 token (the first SSE event with data: comments and keep-alives are not tokens) with its request
 id, the connection's real addresses and an estimated KV size; a `cancel` from the agent
-becomes `http.disconnect` for the app (its own abort path frees the KV), then a TCP reset.
+becomes `http.disconnect` for the app (its own abort path frees the KV), then a TCP reset; a
+`detach` sends the rest of that response through a bounded host buffer, so the app's
+generator runs to its end whatever its client reads.
 Settings come from keyword arguments or, for `--middleware` (which passes none), from the
 environment: KVWATCH_ENGINE_SOCKET, KVWATCH_KV_BYTES_PER_TOKEN, KVWATCH_EGRESS_BUFFER_BYTES
-(0, the default, keeps egress coupled) and KVWATCH_EGRESS_TOTAL_BYTES. Imports nothing heavy.
+(every response buffered; 0, the default, keeps egress coupled), KVWATCH_DETACH_BUFFER_BYTES
+(a detached stream's buffer; 0 turns detach off) and KVWATCH_EGRESS_TOTAL_BYTES (all
+buffers together). Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -26,17 +30,19 @@ from collections.abc import Awaitable, Callable
 
 from kvwatch.errors import ConfigError
 from kvwatch.hook.asgi_conn import Connection, find_connection
-from kvwatch.hook.asgi_egress import EgressBudget
+from kvwatch.hook.asgi_egress import EgressBudget, EgressLimits
 from kvwatch.hook.asgi_kv import KvGeometry, detect
 from kvwatch.hook.asgi_stream import Message, Receive, RequestStream, Scope, Send, header
 from kvwatch.hook.engine_hook import EngineHook
 from kvwatch.hookwire.protocol import EngineInfo
-from kvwatch.hookwire.types import CancelOutcome
+from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
 
 BYTES_PER_TOKEN_ENV = "KVWATCH_KV_BYTES_PER_TOKEN"
 EGRESS_BUFFER_ENV = "KVWATCH_EGRESS_BUFFER_BYTES"
+DETACH_BUFFER_ENV = "KVWATCH_DETACH_BUFFER_BYTES"
 EGRESS_TOTAL_ENV = "KVWATCH_EGRESS_TOTAL_BYTES"
 WRAP_FACTORY_ENV = "KVWATCH_WRAP_FACTORY"
+DEFAULT_DETACH_BUFFER_BYTES = 16 * 1024 * 1024
 DEFAULT_EGRESS_TOTAL_BYTES = 256 * 1024 * 1024
 CANCEL_TIMEOUT_SECONDS = 5.0
 # The hook answers `failed` at its own timeout; the middleware gives up a little earlier.
@@ -53,8 +59,9 @@ class Middleware:
 
     Invariants: the app sees every message it would see without kvwatch, except after a
     cancel (then `http.disconnect`); a missing, slow or misbehaving agent never delays a
-    request (the hook never blocks); with egress buffering on, at most `egress_buffer_bytes`
-    per stream and `egress_total_bytes` over all streams are held (plus one message each).
+    request (the hook never blocks); buffered egress (every response, `egress_buffer_bytes`
+    each, or those the agent detached, `detach_buffer_bytes` each) holds at most
+    `egress_total_bytes` over all streams (a single larger message excepted).
     """
 
     def __init__(
@@ -64,6 +71,7 @@ class Middleware:
         socket_path: str | None = None,
         bytes_per_token: int | None = None,
         egress_buffer_bytes: int | None = None,
+        detach_buffer_bytes: int | None = None,
         egress_total_bytes: int | None = None,
         cancel_timeout_seconds: float = CANCEL_TIMEOUT_SECONDS,
         reconnect_seconds: float = 1.0,
@@ -71,10 +79,15 @@ class Middleware:
         self.app = app
         self._socket_path = socket_path
         self._bytes_per_token = _setting(bytes_per_token, BYTES_PER_TOKEN_ENV, 0)
-        buffer_bytes = _setting(egress_buffer_bytes, EGRESS_BUFFER_ENV, 0)
         total_bytes = _setting(egress_total_bytes, EGRESS_TOTAL_ENV, DEFAULT_EGRESS_TOTAL_BYTES)
-        self.egress_budget = EgressBudget(total_bytes) if buffer_bytes else None
-        self._egress_buffer_bytes = buffer_bytes
+        self.egress_budget = EgressBudget(total_bytes)
+        self._egress = EgressLimits(
+            self.egress_budget,
+            decoupled_bytes=_setting(egress_buffer_bytes, EGRESS_BUFFER_ENV, 0),
+            detach_bytes=_setting(
+                detach_buffer_bytes, DETACH_BUFFER_ENV, DEFAULT_DETACH_BUFFER_BYTES
+            ),
+        )
         self._cancel_timeout_seconds = cancel_timeout_seconds
         self._reconnect_seconds = reconnect_seconds
         self._lock = threading.Lock()
@@ -96,20 +109,16 @@ class Middleware:
             f"asgi-{os.getpid()}-{next(self._numbers)}",
             header(scope, b"x-request-id"),
             self._register,
+            send,
+            self._egress,
         )
-        egress = None
-        if self.egress_budget is not None:
-            egress = (self._egress_buffer_bytes, self.egress_budget)
 
         async def wrapped_receive() -> Message:
             return await stream.receive(receive)
 
-        async def wrapped_send(message: Message) -> None:
-            await stream.send(send, message, egress)
-
         reason, returned = "aborted", False
         try:
-            await self.app(scope, wrapped_receive, wrapped_send)
+            await self.app(scope, wrapped_receive, stream.send)
             reason, returned = ("finished" if stream.finished else "aborted"), True
         except Exception:
             if not stream.cancelled.is_set():
@@ -119,11 +128,11 @@ class Middleware:
             await self._end(stream, reason, drain=returned)
 
     async def _end(self, stream: RequestStream, reason: str, *, drain: bool) -> None:
-        """After the app returned: reset a cancelled connection, drain a buffered response
-        (only after a normal return: a failing or cancelled task drops it), close."""
+        """After the app returned: drop a cancelled stream's buffer and reset its connection,
+        drain a buffered response (only after a normal return: a failing or cancelled task
+        drops it), close."""
         if stream.cancelled.is_set():
-            if stream.connection is not None:
-                stream.connection.reset()
+            stream.drop("cancelled by kvwatch")
             # A generator abandoned mid-`send` is closed only when it is collected, by the
             # loop's async-generator finalizer (vLLM aborts its request there), and the app's
             # exception handling may have left it in a reference cycle: collect once per cancel
@@ -167,6 +176,7 @@ class Middleware:
                     info,
                     self._cancel,
                     self._socket_path,
+                    detach_handler=self._detach if self._egress.detach_bytes else None,
                     cancel_timeout_seconds=self._cancel_timeout_seconds,
                     reconnect_seconds=self._reconnect_seconds,
                 )
@@ -191,8 +201,18 @@ class Middleware:
         stream = self._streams.get(request_id)
         if stream is None:
             return CancelOutcome(request_id, "unknown_request", 0, 0, "no such live stream")
-        wait = max(0.1, self._cancel_timeout_seconds - CANCEL_WAIT_MARGIN_SECONDS)
-        return stream.cancel_from_thread(reason, wait)
+        return stream.cancel_from_thread(reason, self._command_wait_seconds())
+
+    def _detach(self, request_id: str, reason: str) -> DetachOutcome:
+        """The hook's detach handler (a worker thread): the stream's own answer, or unknown."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return DetachOutcome(request_id, "unknown_request", 0, 0, "no such live stream")
+        return stream.detach_from_thread(self._command_wait_seconds())
+
+    def _command_wait_seconds(self) -> float:
+        """How long a handler waits on the loop: a little less than the hook's own timeout."""
+        return max(0.1, self._cancel_timeout_seconds - CANCEL_WAIT_MARGIN_SECONDS)
 
     def close(self) -> None:
         """Stops the hook thread (tests and embedders; a server process just exits)."""

@@ -1,18 +1,21 @@
-"""One HTTP request seen by the kvwatch ASGI middleware: announce, count, cancel, close."""
+"""One HTTP request seen by the kvwatch ASGI middleware: announce, count, cancel, detach,
+close."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvwatch.hook.asgi_conn import Connection
-from kvwatch.hook.asgi_egress import EgressBudget, EgressBuffer
+from kvwatch.hook.asgi_egress import EgressBuffer, EgressLimits
 from kvwatch.hook.asgi_kv import KvGeometry, prompt_tokens
 from kvwatch.hook.asgi_sse import DataEvent, EventReader
 from kvwatch.hook.engine_hook import EngineHook
-from kvwatch.hookwire.types import CancelOutcome
+from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -39,9 +42,19 @@ def estimated_blocks(geometry: KvGeometry, body_bytes: int, tokens_out: int) -> 
     return geometry.blocks_for(prompt_tokens(body_bytes) + tokens_out)
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A send of an announced stream on its way to the server (the app waits for it):
+    `handed_over` is resolved when a detach hands it to the stream's new buffer."""
+
+    message: Message
+    sending: asyncio.Future[None]
+    handed_over: asyncio.Future[None]
+
+
 class RequestStream:
     """The middleware's view of one request; owned by the server's event loop, except
-    `cancel_from_thread`, which the hook's cancel worker calls.
+    `cancel_from_thread` and `detach_from_thread`, which the hook's command workers call.
 
     Invariants: the stream is announced (`open`) at most once, at its first token — the
     first SSE event with data, which carries the engine's request id (comments such as
@@ -49,7 +62,10 @@ class RequestStream:
     closed exactly once after that; once cancelled, `receive` returns `http.disconnect`
     and `send` raises OSError after a short grace, so the app unwinds through its own
     disconnect path (vLLM's generator cancellation aborts the engine request;
-    llama-cpp-python releases its lock).
+    llama-cpp-python releases its lock). Egress is coupled (`buffer` None), decoupled from
+    the response's start (`buffer`, not `detached`), or `detached` by the agent: then the
+    sends in flight were handed to `buffer` and the app's sends return at once, until the
+    next one would not fit and the stream is coupled again (`buffer` None).
     """
 
     def __init__(
@@ -60,10 +76,14 @@ class RequestStream:
         fallback_id: str,
         header_id: str | None,
         on_open: Callable[[RequestStream], None],
+        send: Send,
+        egress: EgressLimits,
     ) -> None:
         self._hook = hook
         self._on_open = on_open
         self._geometry = geometry
+        self._send = send
+        self._egress = egress
         self.connection = connection
         self._fallback_id = fallback_id
         self._header_id = header_id
@@ -79,6 +99,8 @@ class RequestStream:
         self.cancelled = asyncio.Event()
         self.app_done = threading.Event()
         self.buffer: EgressBuffer | None = None
+        self.detached = False
+        self._in_flight: list[_InFlight] = []
 
     def kv_blocks(self) -> int:
         if self.app_done.is_set():
@@ -115,35 +137,66 @@ class RequestStream:
             self._body_bytes += len(message.get("body", b""))
         return message
 
-    async def send(
-        self,
-        send: Send,
-        message: Message,
-        egress: tuple[int, EgressBudget] | None,
-    ) -> None:
+    async def send(self, message: Message) -> None:
+        """The app's send: to the server (coupled) or to the stream's buffer."""
         if self.cancelled.is_set():
             await _refuse_after_grace()
         kind = message.get("type")
         if kind == "http.response.start":
             self._streaming = _is_event_stream(message)
-            if self._streaming and egress is not None:
-                cap_bytes, budget = egress
-                self.buffer = EgressBuffer(send, cap_bytes, budget, self._report_full)
+            if self._streaming and self._egress.decoupled_bytes:
+                self.buffer = self._new_buffer(self._egress.decoupled_bytes)
         elif kind == "http.response.body" and self._streaming:
             self._read_body(bytes(message.get("body", b"")), bool(message.get("more_body", False)))
-        put = self.buffer.put(message) if self.buffer is not None else send(message)
-        if not self.opened:  # the agent cannot cancel what it never heard of: no race needed
+        if self.buffer is not None and self.detached and not self.buffer.fits(message):
+            await self._guarded(self._couple_again())
+        if self.buffer is not None:
+            await self._guarded(self.buffer.put(message))
+        elif self.opened:
+            await self._send_detachable(message)
+        else:  # the agent cannot cancel or detach what it never heard of: no race needed
+            await self._send(message)
+
+    async def _guarded(self, put: Awaitable[None]) -> None:
+        """Awaits `put`; once the agent knows the stream, a cancel ends the wait (and the
+        app's send, after a grace)."""
+        if not self.opened:
             await put
         elif not await self._until_cancelled(put):
             await _refuse_after_grace()
+
+    async def _send_detachable(self, message: Message) -> None:
+        """A coupled send the agent may cancel, or detach: a detach hands it, still under way,
+        to the new buffer and returns to the app at once."""
+        sending = asyncio.ensure_future(self._send(message))
+        in_flight = _InFlight(message, sending, self._loop.create_future())
+        self._in_flight.append(in_flight)
+        try:
+            if not await self._until_cancelled(sending, in_flight.handed_over):
+                await _refuse_after_grace()
+        finally:
+            self._in_flight.remove(in_flight)
+
+    async def _couple_again(self) -> None:
+        """A detached stream's next message does not fit its buffer: reported full, the app
+        waits until the buffer has drained, then sends straight to the server again."""
+        assert self.buffer is not None, "only a detached stream is coupled again"
+        await self.buffer.retire()
+        self.buffer, self.detached = None, False
+        self.report()
 
     async def drain(self) -> None:
         """Waits until the buffered response is sent; a cancel meanwhile drops it and resets."""
         assert self.buffer is not None, "only buffered responses drain"
         if not await self._until_cancelled(self.buffer.finish()):
-            self.buffer.close("cancelled by kvwatch")
-            if self.connection is not None:
-                self.connection.reset()
+            self.drop("cancelled by kvwatch")
+
+    def drop(self, reason: str) -> None:
+        """Ends a cancelled stream's connection: its buffered output dropped, then a reset."""
+        if self.buffer is not None:
+            self.buffer.close(reason)
+        if self.connection is not None:
+            self.connection.reset()
 
     def cancel_from_thread(self, reason: str, timeout_seconds: float) -> CancelOutcome:
         """Delivers http.disconnect on the loop and waits for the app to return."""
@@ -160,21 +213,66 @@ class RequestStream:
         freed = blocks * self._geometry.bytes_per_block
         return CancelOutcome(request_id, "cancelled", blocks, freed, f"{reason}; KV estimated")
 
-    async def _until_cancelled(self, awaitable: Awaitable[None]) -> bool:
+    def detach_from_thread(self, timeout_seconds: float) -> DetachOutcome:
+        """Runs `detach` on the loop and returns its outcome (`failed` if the loop did not
+        get to it in time)."""
+        future = asyncio.run_coroutine_threadsafe(self.detach(), self._loop)
+        try:
+            return future.result(timeout_seconds)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            detail = f"the server's event loop did not run the detach within {timeout_seconds:g} s"
+            return DetachOutcome(self.request_id or self._fallback_id, "failed", 0, 0, detail)
+
+    async def detach(self) -> DetachOutcome:
+        """From now on the app's sends go to a buffer of up to `detach_bytes`, the send in
+        flight (if any) first; declined if the stream is buffered already or the buffers
+        have no room for that send. Runs on the loop without yielding to it."""
+        request_id = self.request_id or self._fallback_id
+        if self.buffer is not None:
+            why = "it is detached already"
+            if not self.detached:
+                why = "every response is buffered here already (KVWATCH_EGRESS_BUFFER_BYTES)"
+            return DetachOutcome(request_id, "declined", 0, 0, why)
+        if self.app_done.is_set():
+            return DetachOutcome(request_id, "already_finished", 0, 0, "the app has returned")
+        if self.cancelled.is_set():
+            return DetachOutcome(request_id, "declined", 0, 0, "it is being cancelled")
+        buffer = self._new_buffer(self._egress.detach_bytes)
+        if not all(buffer.adopt(f.message, f.sending) for f in self._in_flight):
+            buffer.close("the detach was declined")
+            budget = self._egress.budget
+            detail = (
+                f"no room for the output in flight: {budget.buffered_bytes} of "
+                f"{budget.total_cap_bytes} bytes buffered, {self._egress.detach_bytes} per stream"
+            )
+            return DetachOutcome(request_id, "declined", 0, 0, detail)
+        for in_flight in self._in_flight:
+            in_flight.handed_over.set_result(None)
+        self.buffer, self.detached = buffer, True
+        return DetachOutcome(request_id, "detached", 0, 0, buffered_bytes=buffer.buffered_bytes)
+
+    def _new_buffer(self, cap_bytes: int) -> EgressBuffer:
+        return EgressBuffer(self._send, cap_bytes, self._egress.budget, self._report_full)
+
+    async def _until_cancelled(
+        self, awaitable: Awaitable[None], handed_over: asyncio.Future[None] | None = None
+    ) -> bool:
         """Awaits `awaitable`; False (and `awaitable` cancelled) if the request is cancelled
-        first."""
+        first; True at once, `awaitable` left running, if it is `handed_over` first."""
         inner = asyncio.ensure_future(awaitable)
         cancel = asyncio.ensure_future(self.cancelled.wait())
+        waits = (inner, cancel) if handed_over is None else (inner, cancel, handed_over)
         try:
-            await asyncio.wait((inner, cancel), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             cancel.cancel()
-            if not inner.done():
+            if not inner.done() and not (handed_over is not None and handed_over.done()):
                 inner.cancel()
-        if not inner.done() or inner.cancelled():
-            return False
-        inner.result()
-        return True
+        if inner.done() and not inner.cancelled():
+            inner.result()
+            return True
+        return handed_over is not None and handed_over.done()
 
     def _read_body(self, body: bytes, more_body: bool) -> None:
         """Counts the tokens (data events but `[DONE]`) in `body`; announces at the first."""

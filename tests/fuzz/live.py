@@ -3,16 +3,12 @@ what its counters must say afterwards (the expectation is computed with the code
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
-import threading
 from collections import Counter
-from collections.abc import Coroutine, Iterable
-from typing import Any, TypeVar
+from collections.abc import Iterable
 
 from kvwatch.errors import ProtocolError
-from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookwire.protocol import (
     MESSAGE_TYPES,
     Answer,
@@ -24,6 +20,7 @@ from kvwatch.hookwire.protocol import (
     UnsupportedVersionError,
     Update,
 )
+from tests.hook.agent_thread import HookServerThread
 
 # One of these counts goes up for every non-empty line the server reads.
 PER_LINE_COUNTERS = (
@@ -41,7 +38,6 @@ PER_LINE_COUNTERS = (
     ),
 )
 SESSION_SECONDS = 30.0
-_T = TypeVar("_T")
 
 
 def expected_counts(chunks: Iterable[bytes]) -> Counter[str]:
@@ -68,19 +64,8 @@ def expected_counts(chunks: Iterable[bytes]) -> Counter[str]:
     return counts
 
 
-class LiveServer:
-    """Owns a thread running an event loop with a started HookServer on `path`."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self.server = HookServer(path, allowed_uids=(0,))
-        self.call(self.server.start())
-
-    def call(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(SESSION_SECONDS)
+class LiveServer(HookServerThread):
+    """A HookServer on its own loop thread that fuzz sessions are fed to."""
 
     def counters(self) -> dict[str, int]:
         async def read() -> dict[str, int]:
@@ -122,9 +107,3 @@ class LiveServer:
         assert after["disconnects"] - before["disconnects"] == 1
         assert self.held() == (0, 0)
         return expected
-
-    def close(self) -> None:
-        self.call(self.server.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()

@@ -107,7 +107,7 @@ class ServerThread:
     """One ASGI server on 127.0.0.1:`port` in a daemon thread; `stop` ends it. With
     `proxy_headers`, the server rewrites the scope's client from proxy headers (uvicorn's
     own option; hypercorn's ProxyFixMiddleware, trusting `Forwarded`). With
-    `sndbuf` (uvicorn only), every connection gets that fixed send buffer (no autotuning)."""
+    `sndbuf`, every connection gets that fixed send buffer (no autotuning)."""
 
     def __init__(
         self, kind: str, app: Any, *, proxy_headers: bool = False, sndbuf: int | None = None
@@ -147,6 +147,8 @@ class ServerThread:
                 app = ProxyFixMiddleware(app, mode="modern", trusted_hops=1)
             hypercorn_config = HypercornConfig()
             hypercorn_config.bind = [f"127.0.0.1:{self.port}"]
+            if self._sndbuf:  # hypercorn takes over a bound socket by its descriptor
+                hypercorn_config.bind = [f"fd://{self._listener().detach()}"]
             hypercorn_config.loglevel = "WARNING"
             await hypercorn_serve(app, hypercorn_config, shutdown_trigger=self._shutdown.wait)
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvwatch.hook import CancelHandler, CancelOutcome, EngineHook
+from tests.hook.agent_thread import HookServerThread
 from tests.hook.hook_agent import ENGINE_INFO, AgentServer
 
 
@@ -22,6 +23,14 @@ def agent_factory(socket_path: str) -> Iterator[Callable[..., AgentServer]]:
     yield start
     for agent in agents:
         agent.stop()
+
+
+@pytest.fixture
+def hook_server(socket_path: str) -> Iterator[HookServerThread]:
+    """kvwatch's real HookServer on the test's socket path, on a thread of its own."""
+    server = HookServerThread(socket_path)
+    yield server
+    server.close()
 
 
 def default_handler(request_id: str, reason: str) -> CancelOutcome:

@@ -16,15 +16,11 @@ import pytest
 
 from kvwatch.harness.stack import Service, free_port, wait_until_up
 from kvwatch.hookwire.protocol import Cancel, Cancelled, Close, EngineInfo, Open, Update
-from tests.e2e.tiny_gguf import (
-    TinyLlama,
-    ascii_forever_bias,
-    require_llama_cpp,
-    write_tiny_llama,
-)
+from tests.e2e.tiny_gguf import TinyLlama, require_llama_cpp, write_tiny_llama
 from tests.hook.asgi_servers import open_client, read_all, read_until
 from tests.hook.hook_agent import AgentServer, of_kind
 from tests.hook.llama_pinging import PING_SECONDS_ENV
+from tests.hook.llama_servers import llama_completion
 
 require_llama_cpp()
 pytestmark = pytest.mark.slow
@@ -64,31 +60,14 @@ def llama_server(tmp_path: Path, socket_path: str) -> Iterator[int]:
         service.stop()
 
 
-def _completion(port: int, max_tokens: int) -> bytes:
-    """A streaming completion with no X-Request-Id: the id is the engine's own."""
-    body = json.dumps(
-        {
-            "prompt": "abc",
-            "max_tokens": max_tokens,
-            "stream": True,
-            "logit_bias": ascii_forever_bias(),
-        }
-    ).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
 def test_a_request_waiting_for_the_lock_is_announced_at_its_first_token_by_its_cmpl_id(
     llama_server: int, agent_factory: Callable[..., AgentServer]
 ) -> None:
     agent = agent_factory()
-    holder = open_client(llama_server, _completion(llama_server, 30_000), rcvbuf=4096)
+    holder = open_client(llama_server, llama_completion(llama_server, 30_000), rcvbuf=4096)
     held = agent.wait_for(lambda ms: bool(of_kind(ms, Open)), 30)  # it has the lock
     holder_id = of_kind(held, Open)[0].request_id
-    waiter = open_client(llama_server, _completion(llama_server, WAITER_TOKENS))
+    waiter = open_client(llama_server, llama_completion(llama_server, WAITER_TOKENS))
     waited = read_until(waiter, lambda data: data.count(b": ping") >= 3)
     opened_while_waiting = [m.request_id for m in of_kind(agent.messages, Open)]
     agent.send(Cancel(request_id=holder_id, reason="stalled", correlation_id="c-1"))

@@ -1,22 +1,31 @@
-"""Decoupled egress on llama-cpp-python: does a slow reader still hold the generation lock?
+"""Egress on llama-cpp-python: does a slow reader still hold the generation lock?
 
 llama-cpp-python's server generates for one request at a time (one lock), and with
 `interrupt_requests` off the stream that holds the lock keeps it until its generation ends.
-Coupled (the middleware's default), generation advances only as fast as the client reads
-once the socket buffers are full, so a slow-but-alive reader makes every other request wait
-for it. Decoupled (`egress_buffer_bytes` > 0), the middleware's buffer takes the output, the
-generation ends at full speed, the lock is released and the slow reader drains from host memory.
+Three ways the middleware can send a response:
 
-One run per mode, same model and load: a tiny random-weight model (tests/e2e/tiny_gguf.py)
-under uvicorn in this process (64 KB socket send buffers), a slow reader (4 KB receive
-buffer, `READ_BYTES_PER_SECOND`) asking for `SLOW_TOKENS` tokens, and
-`WAITING_AFTER_SECONDS` later a waiting request for
-`WAITING_TOKENS` tokens read at full speed. Measured: how long the waiting request took
-(sent to [DONE]), when the slow reader got its [DONE], and the most bytes the middleware
-buffered at once. No agent runs: this measures egress only. Measured here (2 shared cores):
-off, the waiting request was served after 43.2 s; on, after 18.0 s (the time the 2000
-tokens take to generate), with at most 223 KB buffered; the slow reader finished in ~61 s
-either way.
+- coupled (the default, no agent action): once the socket buffers are full, generation
+  advances only as fast as the client reads, so a slow-but-alive reader makes every other
+  request wait for it;
+- decoupled (`egress_buffer_bytes` > 0): every response goes through a host buffer from its
+  start, the generation runs at full speed and releases the lock; every response pays for it;
+- detach on demand (the default settings, and an agent): the response is coupled until the
+  agent sends `detach`, then it goes through a host buffer (docs/protocol.md, "Detach").
+  The detach is sent by kvwatch's real HookServer. The agent's trigger is emulated: the
+  bench watches the holder's server socket through kvwatch's own sock_diag reader
+  (`take_snapshot`) and sends the detach once its send buffer has been full
+  (`kvwatch.sockets.sndbuf_full`, the collector's test) for BACKED_UP_SECONDS.
+
+Each mode runs REPETITIONS times, same model and load: a tiny random-weight model
+(tests/e2e/tiny_gguf.py) under uvicorn in this process (64 KB server send buffers standing in
+for a long answer), a reader with the kernel's default receive buffer taking
+`READ_BYTES_PER_SECOND` of a `SLOW_TOKENS`-token stream, and `WAITING_AFTER_SECONDS` later a
+waiting request for `WAITING_TOKENS` tokens (default buffers too) read at full speed.
+Measured, from the slow request's start: when its generation ended (the lock was released),
+when the waiting request got its [DONE] (counted from its own start), when the detach went
+out, and the most bytes the middleware held in host buffers. A run ends once the waiting
+request is served; the slow reader is then dropped (tests/hook/test_asgi_detach.py checks
+that a detached stream is delivered whole).
 
 Run: `python -m bench.bench_egress` (or `make bench`). Writes bench/results/egress.json and
 egress.png.
@@ -24,7 +33,6 @@ egress.png.
 
 from __future__ import annotations
 
-import json
 import socket
 import tempfile
 import threading
@@ -32,95 +40,142 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.bench_collector import spread
 from bench.common import RESULTS, write_result
-from kvwatch.hook.asgi import Middleware
-from tests.e2e.tiny_gguf import TinyLlama, ascii_forever_bias, write_tiny_llama
-from tests.hook.asgi_servers import serving
+from kvwatch.collect.diag.snapshot import take_snapshot
+from kvwatch.hookserver.registry import EngineStream
+from kvwatch.sockets import sndbuf_full
+from tests.e2e.tiny_gguf import write_tiny_llama
+from tests.hook.agent_thread import HookServerThread
+from tests.hook.llama_servers import MODEL, SERVER_SNDBUF_BYTES, llama_completion, serving_llama
 
-MODEL = TinyLlama(context_length=8192)
 SLOW_TOKENS = 2000
 WAITING_TOKENS = 50
 READ_BYTES_PER_SECOND = 8 * 1024
 READ_CHUNK_BYTES = 1024
 WAITING_AFTER_SECONDS = 1.0
-EGRESS_BUFFER_BYTES = 64 * 1024 * 1024
-EGRESS_TOTAL_BYTES = 256 * 1024 * 1024
-READ_TIMEOUT_SECONDS = 300.0
-# A fixed 64 KB send buffer per connection stands in for a long generation: the kernel's
-# autotuned loopback buffers (up to 4 MB) would take this tiny model's whole answer at once.
-SERVER_SNDBUF_BYTES = 64 * 1024
+BUFFER_BYTES = 64 * 1024 * 1024
+BACKED_UP_SECONDS = 2.0
+DIAG_POLL_SECONDS = 0.1
+REPETITIONS = 3
+RUN_TIMEOUT_SECONDS = 180.0
+MODES: dict[str, dict[str, int]] = {
+    "coupled": {"detach_buffer_bytes": 0},
+    "decoupled": {"egress_buffer_bytes": BUFFER_BYTES},
+    "detach on demand": {"detach_buffer_bytes": BUFFER_BYTES},
+}
+FIGURES = ("lock_released_seconds", "waiting_served_seconds", "peak_buffered_bytes")
 
 
-def request(tokens: int) -> bytes:
-    body = json.dumps(
-        {"prompt": "abc", "max_tokens": tokens, "stream": True, "logit_bias": ascii_forever_bias()}
-    ).encode()
-    head = (
-        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
+def read_slowly(client: socket.socket, stop: threading.Event) -> None:
+    """Reads READ_BYTES_PER_SECOND until the stream ends or `stop` is set."""
+    client.settimeout(RUN_TIMEOUT_SECONDS)
+    while not stop.is_set():
+        chunk = client.recv(READ_CHUNK_BYTES)
+        if not chunk or chunk.endswith(b"0\r\n\r\n"):
+            return
+        time.sleep(len(chunk) / READ_BYTES_PER_SECOND)
 
 
-def read_stream(port: int, tokens: int, *, slow: bool, started: float) -> float:
-    """Seconds from `started` until this client read the stream's [DONE]."""
-    with socket.socket() as client:
-        if slow:
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        client.settimeout(READ_TIMEOUT_SECONDS)
-        client.connect(("127.0.0.1", port))
-        client.sendall(request(tokens))
+def read_whole(port: int, tokens: int) -> None:
+    """A request read at full speed, to the end of its chunked body."""
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.settimeout(RUN_TIMEOUT_SECONDS)
+        client.sendall(llama_completion(port, tokens))
         data = bytearray()
-        while b"data: [DONE]" not in data[-64:]:
-            chunk = client.recv(READ_CHUNK_BYTES if slow else 65536)
+        while not data.endswith(b"0\r\n\r\n"):
+            chunk = client.recv(65536)
             if not chunk:
-                raise RuntimeError("the server closed the stream before [DONE]")
+                raise RuntimeError("the server closed the waiting request before its end")
             data += chunk
-            if slow:
-                time.sleep(len(chunk) / READ_BYTES_PER_SECOND)
-    return time.monotonic() - started
 
 
-def run_mode(model_path: Path, egress_buffer_bytes: int) -> dict[str, Any]:
-    from llama_cpp.server.app import create_app
-    from llama_cpp.server.settings import Settings
+class GenerationEnds:
+    """The hook server's change callback: the first stream announced (the slow one: the
+    waiting one is announced at its first token, once it has the lock) and when each
+    stream's generation ended (the hook said it holds no KV, or closed it)."""
 
-    settings = Settings(
-        model=str(model_path),
-        n_ctx=MODEL.context_length,
-        n_threads=1,
-        interrupt_requests=False,
-        verbose=False,
-    )
-    middleware = Middleware(
-        create_app(settings=settings),
-        socket_path=str(model_path.parent / "no-agent.sock"),
-        egress_buffer_bytes=egress_buffer_bytes,
-        egress_total_bytes=EGRESS_TOTAL_BYTES,
-    )
-    results: dict[str, float] = {}
-    with serving("uvicorn", middleware, sndbuf=SERVER_SNDBUF_BYTES) as server:
-        started = time.monotonic()
+    def __init__(self) -> None:
+        self.first: str | None = None
+        self.at: dict[str, float] = {}
 
-        def slow() -> None:
-            results["slow_reader_done_seconds"] = read_stream(
-                server.port, SLOW_TOKENS, slow=True, started=started
-            )
+    def __call__(self, request_id: str, stream: EngineStream | None) -> None:
+        self.first = self.first or request_id
+        if stream is None or stream.kv_blocks == 0:
+            self.at.setdefault(request_id, time.monotonic())
 
-        reader = threading.Thread(target=slow, daemon=True)
-        reader.start()
-        time.sleep(WAITING_AFTER_SECONDS)
-        asked = time.monotonic()
-        results["waiting_served_seconds"] = read_stream(
-            server.port, WAITING_TOKENS, slow=False, started=asked
-        )
-        reader.join(READ_TIMEOUT_SECONDS)
-    middleware.close()
-    budget = middleware.egress_budget
+
+def detach_when_backed_up(
+    agent: HookServerThread, server_port: int, client_port: int, stop: threading.Event
+) -> float | None:
+    """The agent's trigger, emulated: once the server socket to `client_port` has had a full
+    send buffer for BACKED_UP_SECONDS, detach its stream; when the detach went out."""
+    full_since: float | None = None
+    while not stop.wait(DIAG_POLL_SECONDS):
+        entries = take_snapshot([server_port]).entries
+        mine = [e for e in entries if e.local.port == server_port and e.remote.port == client_port]
+        now = time.monotonic()
+        if not mine or not sndbuf_full(mine[0].wmem_queued, mine[0].sndbuf):
+            full_since = None
+            continue
+        full_since = full_since or now
+        stream = agent.stream()
+        if stream is not None and now - full_since >= BACKED_UP_SECONDS:
+            outcome = agent.detach(stream.request_id)
+            if outcome.status != "detached":
+                raise RuntimeError(f"detach {outcome.status}: {outcome.detail}")
+            return now
+    return None
+
+
+def run_once(model_path: Path, mode: str) -> dict[str, float]:
+    ends = GenerationEnds()
+    socket_path = str(model_path.parent / f"agent-{time.monotonic_ns()}.sock")
+    agent = HookServerThread(socket_path, on_change=ends)
+    stop = threading.Event()
+    detached: list[float | None] = []
+    try:
+        with serving_llama("uvicorn", model_path, socket_path, **MODES[mode]) as (server, mw):
+            started = time.monotonic()
+            slow = socket.create_connection(("127.0.0.1", server.port))
+            slow.sendall(llama_completion(server.port, SLOW_TOKENS))
+            reader = threading.Thread(target=read_slowly, args=(slow, stop), daemon=True)
+            reader.start()
+            if mode == "detach on demand":
+                client_port = slow.getsockname()[1]
+                trigger = threading.Thread(
+                    target=lambda: detached.append(
+                        detach_when_backed_up(agent, server.port, client_port, stop)
+                    ),
+                    daemon=True,
+                )
+                trigger.start()
+            time.sleep(WAITING_AFTER_SECONDS)  # the waiting request comes a second later
+            asked = time.monotonic()
+            read_whole(server.port, WAITING_TOKENS)
+            served = time.monotonic() - asked
+            stop.set()
+            slow.close()
+            reader.join(RUN_TIMEOUT_SECONDS)
+            peak = mw.egress_budget.peak_bytes
+    finally:
+        stop.set()
+        agent.close()
+    assert ends.first is not None, "the slow stream was announced"
+    result = {
+        "lock_released_seconds": round(ends.at[ends.first] - started, 2),
+        "waiting_served_seconds": round(served, 2),
+        "peak_buffered_bytes": peak,
+    }
+    if detached and detached[0] is not None:
+        result["detached_at_seconds"] = round(detached[0] - started, 2)
+    return result
+
+
+def summarise(runs: list[dict[str, float]]) -> dict[str, Any]:
     return {
-        "egress_buffer_bytes": egress_buffer_bytes,
-        **{name: round(value, 2) for name, value in results.items()},
-        "peak_buffered_bytes": budget.peak_bytes if budget is not None else 0,
+        "runs": runs,
+        **{figure: spread([run[figure] for run in runs]) for figure in FIGURES},
     }
 
 
@@ -131,19 +186,23 @@ def plot(modes: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(modes)
-    figure, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    for axis, key, title in (
-        (axes[0], "waiting_served_seconds", "waiting request served after (s)"),
-        (axes[1], "peak_buffered_bytes", "peak middleware buffer (KB)"),
+    figure, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    for axis, key, title, scale in (
+        (axes[0], "lock_released_seconds", "generation lock released after (s)", 1),
+        (axes[1], "waiting_served_seconds", "waiting request served after (s)", 1),
+        (axes[2], "peak_buffered_bytes", "most bytes buffered (KB)", 1024),
     ):
-        values = [modes[n][key] / (1024 if key.endswith("bytes") else 1) for n in names]
-        axis.bar(names, values, color=["#c44", "#4a4"])
+        medians = [modes[n][key]["median"] / scale for n in names]
+        low = [m - modes[n][key]["min"] / scale for m, n in zip(medians, names, strict=True)]
+        high = [modes[n][key]["max"] / scale - m for m, n in zip(medians, names, strict=True)]
+        axis.bar(names, medians, yerr=[low, high], color=["#c44", "#48c", "#4a4"], capsize=4)
         axis.set_title(title, fontsize=9)
-        for index, value in enumerate(values):
+        axis.tick_params(axis="x", labelsize=8)
+        for index, value in enumerate(medians):
             axis.annotate(f"{value:.1f}", (index, value), ha="center", va="bottom", fontsize=8)
     figure.suptitle(
         f"llama-cpp-python, a {READ_BYTES_PER_SECOND // 1024} KB/s reader of {SLOW_TOKENS} "
-        "tokens and one waiting request",
+        f"tokens and one waiting request (median and range of {REPETITIONS} runs)",
         fontsize=9,
     )
     figure.tight_layout()
@@ -153,17 +212,25 @@ def plot(modes: dict[str, dict[str, Any]], path: Path) -> None:
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvw-egress-") as workdir:
         model_path = write_tiny_llama(Path(workdir) / "tiny.gguf", MODEL)
-        modes = {
-            "coupled (off)": run_mode(model_path, 0),
-            "decoupled (on)": run_mode(model_path, EGRESS_BUFFER_BYTES),
-        }
+        runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+        for _ in range(REPETITIONS):  # modes interleaved: a noisy neighbour hits them all
+            for mode in MODES:
+                runs[mode].append(run_once(model_path, mode))
+                print(mode, runs[mode][-1], flush=True)
+    modes = {mode: summarise(mode_runs) for mode, mode_runs in runs.items()}
     payload = {
         "engine": "llama-cpp-python",
         "slow_tokens": SLOW_TOKENS,
         "waiting_tokens": WAITING_TOKENS,
         "read_bytes_per_second": READ_BYTES_PER_SECOND,
+        "client_receive_buffer": "kernel default",
         "waiting_after_seconds": WAITING_AFTER_SECONDS,
         "server_sndbuf_bytes": SERVER_SNDBUF_BYTES,
+        "buffer_bytes": BUFFER_BYTES,
+        "detach_trigger": (
+            f"the holder's server socket send buffer full (sock_diag) for {BACKED_UP_SECONDS} s"
+        ),
+        "repetitions": REPETITIONS,
         "modes": modes,
     }
     print(write_result("egress", payload))

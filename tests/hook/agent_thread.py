@@ -11,7 +11,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from kvwatch.hookserver.hook_server import HookServer
-from kvwatch.hookserver.registry import EngineStream
+from kvwatch.hookserver.registry import ChangeCallback, EngineStream
 from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
 from tests.waiting import wait_for
 
@@ -22,14 +22,14 @@ _T = TypeVar("_T")
 
 class HookServerThread:
     """Owns a thread running an event loop with a started HookServer on `path` (allowing
-    `allowed_uids`, by default this process's uid); `close` stops both."""
+    this process's uid; `on_change` runs on that loop); `close` stops both."""
 
-    def __init__(self, path: str, allowed_uids: tuple[int, ...] | None = None) -> None:
+    def __init__(self, path: str, on_change: ChangeCallback | None = None) -> None:
         self.path = path
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self.server = HookServer(path, allowed_uids=allowed_uids or (os.geteuid(),))
+        self.server = HookServer(path, allowed_uids=(os.geteuid(),), on_change=on_change)
         self.call(self.server.start())
 
     def call(self, coroutine: Coroutine[Any, Any, _T]) -> _T:

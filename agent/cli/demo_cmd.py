@@ -18,9 +18,17 @@ MAX_CLIENTS = 256
 @click.option(
     "--seconds",
     type=NumberRange(min=3, max=MAX_WAIT_SECONDS),
-    default=15.0,
+    default=12.0,
     show_default=True,
-    help="Length of each phase.",
+    help="Length of the observing phase.",
+)
+@click.option(
+    "--enforce-seconds",
+    type=NumberRange(min=3, max=MAX_WAIT_SECONDS),
+    default=50.0,
+    show_default=True,
+    help="Length of the enforcing phase: long enough for the proof that cuts a stalled "
+    "client with a default receive buffer (30-40 s at the demo's guarantee of 6 KB/s).",
 )
 @click.option(
     "--stalled",
@@ -37,19 +45,26 @@ MAX_CLIENTS = 256
     help="Clients that read as fast as they can.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def command(seconds: float, stalled: int, healthy: int, as_json: bool) -> None:
-    """Run the reference engine with healthy, slow and stalled clients, twice.
+def command(
+    seconds: float, enforce_seconds: float, stalled: int, healthy: int, as_json: bool
+) -> None:
+    """Run the reference engine with healthy, slow and stalled clients, twice. The clients
+    keep the kernel's default receive buffers; slow and stalled ones ask for long answers.
 
     \b
-    1. The agent observes: it finds the stalled streams and logs what it would do, while
-       their requests keep their KV blocks and healthy requests queue behind them.
-    2. The agent enforces: each stalled request is cancelled through the engine hook
-       (its KV blocks freed, its client reset) ~2 s after its client stopped reading.
-    The slow-but-draining client must never be cancelled. Needs root (BPF).
+    1. The agent observes: it finds the backed-up streams and logs what it would do (park,
+       then cut), while their requests keep their KV blocks and healthy requests queue
+       behind them.
+    2. The agent enforces: each stalled request is parked through the engine hook ~2 s
+       after its back-pressure began (its KV blocks freed, nothing cut), and cut (cancelled,
+       its client reset) only once the kernel proved its reader gone: 30-40 s here, with
+       the demo's reader guarantee of 6 KB/s (its slow client reads 8 KB/s).
+    The slow-but-draining client may be parked and resumed, never cut. Needs root (BPF).
     """
     console = Console(stderr=as_json)
     settings = DemoSettings(
         seconds=seconds,
+        enforce_seconds=enforce_seconds,
         stalled=stalled,
         healthy=healthy,
     )

@@ -39,7 +39,10 @@ class LoadPlan:
     """What to run. Healthy clients read as fast as they can; slow ones read
     `slow_bytes_per_second`; stalled ones stop reading after their first token and keep the
     connection open. Slow and stalled clients set SO_RCVBUF to `rcvbuf_bytes` before connecting
-    (0 keeps the kernel default). Every client sends its next request when one ends.
+    (0 keeps the kernel default) and ask for `long_max_tokens` (None: `max_tokens`): with the
+    kernel's default buffers only a long answer outgrows what the buffers hold, and that is
+    the answer a client that stops reading pins. Every client sends its next request when
+    one ends.
     `model` None means the first model the server lists at /v1/models."""
 
     url: str = "http://127.0.0.1:8000"
@@ -51,6 +54,7 @@ class LoadPlan:
     model: str | None = None
     prompt: str = "Tell me a long story about a lighthouse keeper."
     max_tokens: int = 128
+    long_max_tokens: int | None = None
     slow_bytes_per_second: int = 2048
     rcvbuf_bytes: int = 4096
     connect_timeout_seconds: float = 5.0
@@ -60,6 +64,8 @@ class LoadPlan:
         for name in ("healthy", "slow", "stalled", "rcvbuf_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative", "pass 0 or more")
+        if self.long_max_tokens is not None and self.long_max_tokens <= 0:
+            raise ConfigError("long_max_tokens must be positive", "pass a number above 0")
         for name in ("duration_seconds", "max_tokens", "slow_bytes_per_second"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive", "pass a number above 0")
@@ -67,6 +73,11 @@ class LoadPlan:
             raise ConfigError("no clients to run", "ask for at least one healthy, slow or stalled")
         if self.endpoint not in ("completions", "chat"):
             raise ConfigError(f"unknown endpoint {self.endpoint!r}", "use completions or chat")
+
+    def max_tokens_of(self, name: ClientClass) -> int:
+        if name == "healthy" or self.long_max_tokens is None:
+            return self.max_tokens
+        return self.long_max_tokens
 
     def clients(self, name: ClientClass) -> int:
         return {"healthy": self.healthy, "slow": self.slow, "stalled": self.stalled}[name]
@@ -91,9 +102,18 @@ async def run_load(
     probe = await _connect(target, family, address, plan.connect_timeout_seconds)
     with probe:
         model = plan.model or await _first_model(target, probe, plan.connect_timeout_seconds)
-    body = completion_body(plan.endpoint, model, plan.prompt, plan.max_tokens)
     path = target.path(plan.endpoint)
-    conn = Connection(family, address, target, path, body, plan.endpoint)
+    conns = {
+        name: Connection(
+            family,
+            address,
+            target,
+            path,
+            completion_body(plan.endpoint, model, plan.prompt, plan.max_tokens_of(name)),
+            plan.endpoint,
+        )
+        for name in CLIENT_CLASSES
+    }
     stats = {name: ClassStats(name, plan.clients(name)) for name in CLIENT_CLASSES}
     started = loop.time()
 
@@ -103,7 +123,7 @@ async def run_load(
         return LoadReport(target.base_url + path, plan.endpoint, model, elapsed, reports)
 
     tasks = [
-        asyncio.create_task(client_loop(conn, stats[name], plan.behaviour(name)))
+        asyncio.create_task(client_loop(conns[name], stats[name], plan.behaviour(name)))
         for name in CLIENT_CLASSES
         for _ in range(plan.clients(name))
     ]

@@ -1,15 +1,17 @@
 """Rescue: what stalled clients cost the healthy ones, and what the agent gives back.
 
 One engine (coupled egress, a small KV pool, small send buffers, long prompts: a stalled
-request pins its KV, as in `kvwatch demo`) and the same healthy load, in three
-configurations measured in one run:
+request pins its KV, as in `kvwatch demo`) and the same healthy load, in these
+configurations measured in one run, for each kind of stalled client (STALLED_BUFFERS: a 4 KB
+SO_RCVBUF, and the kernel's default receive buffer, which only a long answer outgrows):
 - clean: healthy clients only (the agent runs and finds nothing to do), measured first and
          again last, so that drift from neighbours shows; the two are averaged;
 - off:   the same healthy clients, plus stalled clients arriving at random, agent observing;
-- on:    the same healthy and stalled clients (same arrival times), agent enforcing
-         (cancel through the engine hook) with the default reader guarantee (4 KB/s);
-- on_fast: the same, with the guarantee an operator who wants the field reports' aggressive
-         cut sets (64 KB/s).
+- cut:   the same healthy and stalled clients (same arrival times), agent enforcing with
+         park off: each stalled request is cancelled after the proof, with the default reader
+         guarantee (4 KB/s);
+- park:  the same, with park on (the default): each is parked PARK_SECONDS into its
+         back-pressure (its KV freed at once) and cancelled after the proof.
 Healthy clients are a closed loop (each sends its next request when one ends). Stalled
 clients are other users: they arrive as a Poisson process at a third of the healthy request
 rate measured in the clean run, so one request in four is a stalled one ("25% stalled
@@ -61,11 +63,15 @@ from kvwatch.loadgen.runner import ProgressCallback
 from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND
 
 KV_BLOCKS = 450
-ENGINE_ARGS = demo.engine_args(KV_BLOCKS)
+ENGINE_ARGS = (*demo.engine_args(KV_BLOCKS), "--max-tokens-limit", "2048")
 HEALTHY_CLIENTS = 6
 STALLED_SHARE = 0.25  # of all requests
 HEALTHY_MAX_TOKENS = 256
-STALLED_MAX_TOKENS = 512  # a stalled stream blocks the engine's writes after ~140 tokens
+# What a stalled client asks for, by its receive buffer (0: the kernel's default): with 4 KB
+# a stalled stream blocks the engine's writes after ~140 tokens; with the default buffer only
+# after ~1000 (loopback), so it asks for as long an answer as the context leaves room for.
+STALLED_BUFFERS = {4096: 512, 0: 1400}
+PARK_SECONDS = 2.0
 STALL_SECONDS = 2.0
 PHASE_SECONDS = 16.0
 WARMUP_SECONDS = 3.0
@@ -77,9 +83,7 @@ TARGET_TTFT_P99_RATIO = 1.5
 # A single run moved by 10-25% between reruns on a quiet machine: the result is the median
 # of several, with their range.
 REPEATS = 3
-# The guarantee an operator who wants the field reports' aggressive cut would set.
-FAST_READER_RATE = 65536
-SIDES = ("off", "on", "on_fast")
+SIDES = ("off", "cut", "park")
 # Room for every stall of the load (25% of ~4 requests/s is ~70 a minute): the default
 # budget of 10 a minute left half of them pinning their KV (measured: 10 of 18-19 stalls
 # cancelled per 16 s phase, throughput 74-79% of clean either guarantee).
@@ -115,9 +119,14 @@ def wait_drained(stack: Stack) -> None:
 
 
 async def load(
-    stack: Stack, seconds: float, stalls_per_second: float, on_progress: ProgressCallback
+    stack: Stack,
+    seconds: float,
+    stalls_per_second: float,
+    on_progress: ProgressCallback,
+    rcvbuf_bytes: int = 4096,
 ) -> tuple[LoadReport, ClassStats | None]:
-    """The healthy clients for `seconds`, beside stalled ones arriving at random (0: none)."""
+    """The healthy clients for `seconds`, beside stalled ones arriving at random (0: none)
+    with an SO_RCVBUF of `rcvbuf_bytes` (0: the kernel's default)."""
     plan = LoadPlan(
         url=stack.engine_url,
         healthy=HEALTHY_CLIENTS,
@@ -128,19 +137,25 @@ async def load(
     healthy = run_load(plan, on_progress=on_progress, progress_interval_seconds=SAMPLE_SECONDS)
     if not stalls_per_second:
         return await healthy, None
-    conn = engine_connection(stack.engine_url, PROMPT, STALLED_MAX_TOKENS)
-    stalled = stall_arrivals(conn, seconds, stalls_per_second)
+    conn = engine_connection(stack.engine_url, PROMPT, STALLED_BUFFERS[rcvbuf_bytes])
+    stalled = stall_arrivals(conn, seconds, stalls_per_second, rcvbuf_bytes=rcvbuf_bytes)
     return await asyncio.gather(healthy, stalled)
 
 
-def configuration(stack: Stack, name: str, stalls_per_second: float) -> dict[str, Any]:
+def configuration(
+    stack: Stack, name: str, stalls_per_second: float, rcvbuf_bytes: int = 4096
+) -> dict[str, Any]:
     """One configuration's load, and what the healthy clients and the engine saw."""
     samples: list[dict[str, float]] = []
     before, cpu_before = engine_gauges(stack), stack.cpu_seconds()
     since_ns = time.monotonic_ns()
     report, stalled = asyncio.run(
         load(
-            stack, PHASE_SECONDS, stalls_per_second, lambda _: samples.append(engine_gauges(stack))
+            stack,
+            PHASE_SECONDS,
+            stalls_per_second,
+            lambda _: samples.append(engine_gauges(stack)),
+            rcvbuf_bytes,
         )
     )
     after, cpu_after = engine_gauges(stack), stack.cpu_seconds()
@@ -154,6 +169,7 @@ def configuration(stack: Stack, name: str, stalls_per_second: float) -> dict[str
     cancels = [
         e for e in entries if e["kind"] == "outcome" and e["result"]["status"] == "cancelled"
     ]
+    parks = [e for e in entries if e["kind"] == "outcome" and e["result"]["status"] == "parked"]
     refused = [e for e in entries if e["kind"] == "decision" and e["reason"] == "budget_exhausted"]
     wait_drained(stack)
     healthy = report.classes["healthy"]
@@ -179,6 +195,8 @@ def configuration(stack: Stack, name: str, stalls_per_second: float) -> dict[str
         "stalled_requests": stalled.requests if stalled else 0,
         "stalled_reset": stalled.outcomes["reset"] if stalled else 0,
         "cancels": len(cancels),
+        "parks": len(parks),
+        "parked_kv_blocks": sum(e["result"]["freed_blocks"] for e in parks),
         "budget_refusals": len(refused),
         "freed_kv_blocks": sum(e["result"]["freed_blocks"] for e in cancels),
         "mean_kv_blocks_used": mean("kv_cache_blocks_used"),
@@ -191,11 +209,12 @@ def configuration(stack: Stack, name: str, stalls_per_second: float) -> dict[str
     }
 
 
-def agent_args(mode: str, min_reader_rate: int = DEFAULT_MIN_READER_BYTES_PER_SECOND) -> list[str]:
+def agent_args(mode: str, park: str = "off") -> list[str]:
     return [
         "--mode", mode, "--stall-seconds", str(STALL_SECONDS), "--grace-seconds", "0",
-        "--min-reader-rate", str(min_reader_rate),
+        "--min-reader-rate", str(DEFAULT_MIN_READER_BYTES_PER_SECOND),
         "--max-cancels-per-minute", str(MAX_CANCELS_PER_MINUTE),
+        "--park", park, "--park-seconds", str(PARK_SECONDS),
     ]  # fmt: skip
 
 
@@ -216,10 +235,11 @@ def ratios(row: dict[str, Any], clean: dict[str, float]) -> dict[str, float]:
     }
 
 
-def repetition() -> dict[str, Any]:
-    """clean, off (observing agent), on (enforcing with the default reader guarantee),
-    on_fast (enforcing with the fast guarantee), then clean again: the clean runs bracket
-    the others, so a neighbour's load that comes and goes shows as their gap."""
+def repetition(rcvbuf_bytes: int) -> dict[str, Any]:
+    """clean, off (observing agent), cut (enforcing, park off), park (enforcing, park on),
+    then clean again, with stalled clients of `rcvbuf_bytes` (0: the kernel's default): the
+    clean runs bracket the others, so a neighbour's load that comes and goes shows as their
+    gap."""
     with tempfile.TemporaryDirectory(prefix="kvwatch-bench-") as tmp, Stack(Path(tmp)) as stack:
         stack.start_engine(*ENGINE_ARGS)
         observing = stack.start_agent(*agent_args("observe"), audit="audit-observe.jsonl")
@@ -229,21 +249,23 @@ def repetition() -> dict[str, Any]:
         before = configuration(stack, "clean", 0)
         # One stalled request for every three healthy ones: 25% of all requests.
         rate = before["healthy_requests_per_second"] * STALLED_SHARE / (1 - STALLED_SHARE)
-        off = configuration(stack, "off", rate)
+        off = configuration(stack, "off", rate, rcvbuf_bytes)
         stack.stop(observing)
-        enforcing = stack.start_agent(*agent_args("enforce"), audit="audit-enforce.jsonl")
+        rows = [before, off]
+        for side, park in (("cut", "off"), ("park", "on")):
+            enforcing = stack.start_agent(*agent_args("enforce", park), audit=f"audit-{side}.jsonl")
+            stack.wait_engine_connected()
+            rows.append(configuration(stack, side, rate, rcvbuf_bytes))
+            stack.stop(enforcing)
+        stack.start_agent(*agent_args("observe"), audit="audit-clean.jsonl")
         stack.wait_engine_connected()
-        on = configuration(stack, "on", rate)
-        stack.stop(enforcing)
-        stack.start_agent(*agent_args("enforce", FAST_READER_RATE), audit="audit-fast.jsonl")
-        stack.wait_engine_connected()
-        on_fast = configuration(stack, "on_fast", rate)
         after = configuration(stack, "clean", 0)
     clean = clean_reference(before, after)
     return {
-        "configurations": [before, off, on, on_fast, after],
+        "stalled_rcvbuf_bytes": rcvbuf_bytes or "default",
+        "configurations": [*rows, after],
         "clean_reference": clean,
-        **{f"{row['configuration']}_vs_clean": ratios(row, clean) for row in (off, on, on_fast)},
+        **{f"{row['configuration']}_vs_clean": ratios(row, clean) for row in rows[1:]},
     }
 
 
@@ -255,14 +277,22 @@ def spread(values: list[float]) -> dict[str, float]:
     }
 
 
+def buffer_name(rcvbuf_bytes: int) -> str:
+    return f"{rcvbuf_bytes // 1024}k" if rcvbuf_bytes else "default"
+
+
 def measure() -> dict[str, Any]:
-    """REPEATS repetitions, each in a fresh stack; the ratios as median and range."""
-    runs = []
+    """REPEATS repetitions for each stalled buffer, each in a fresh stack; the ratios as
+    median and range."""
+    runs: dict[str, list[dict[str, Any]]] = {}
     for index in range(REPEATS):
-        print(f"repetition {index + 1} of {REPEATS}", flush=True)
-        runs.append(repetition())
+        for rcvbuf_bytes in STALLED_BUFFERS:
+            name = buffer_name(rcvbuf_bytes)
+            print(f"repetition {index + 1} of {REPEATS}, {name} stalled buffers", flush=True)
+            runs.setdefault(name, []).append(repetition(rcvbuf_bytes))
     summary = {
-        f"{side}_{ratio}": spread([run[f"{side}_vs_clean"][ratio] for run in runs])
+        f"{name}_{side}_{ratio}": spread([run[f"{side}_vs_clean"][ratio] for run in buffer_runs])
+        for name, buffer_runs in runs.items()
         for side in SIDES
         for ratio in ("throughput_ratio", "ttft_p99_ratio")
     }
@@ -270,20 +300,22 @@ def measure() -> dict[str, Any]:
         "engine_args": list(ENGINE_ARGS),
         "prompt_bytes": len(PROMPT.encode()),
         "healthy_max_tokens": HEALTHY_MAX_TOKENS,
-        "stalled_max_tokens": STALLED_MAX_TOKENS,
+        "stalled_max_tokens": {buffer_name(b): t for b, t in STALLED_BUFFERS.items()},
         "stall_seconds": STALL_SECONDS,
+        "park_seconds": PARK_SECONDS,
         "stalled_share_of_requests": STALLED_SHARE,
+        "min_reader_bytes_per_second": DEFAULT_MIN_READER_BYTES_PER_SECOND,
         "repetitions": runs,
         "summary": summary,
         "targets": {
-            "on_throughput_ratio_min": TARGET_THROUGHPUT_RATIO,
-            "on_ttft_p99_ratio_max": TARGET_TTFT_P99_RATIO,
+            "throughput_ratio_min": TARGET_THROUGHPUT_RATIO,
+            "ttft_p99_ratio_max": TARGET_TTFT_P99_RATIO,
         },
-        "min_reader_bytes_per_second": {
-            "on": DEFAULT_MIN_READER_BYTES_PER_SECOND,
-            "on_fast": FAST_READER_RATE,
+        "met": {
+            f"{name}_{side}": targets_met(summary, f"{name}_{side}")
+            for name in runs
+            for side in ("cut", "park")
         },
-        "met": {side: targets_met(summary, side) for side in ("on", "on_fast")},
     }
 
 
@@ -303,39 +335,28 @@ def plot(result: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = result["repetitions"]
-    fig, (left, right, kv) = plt.subplots(1, 3, figsize=(15, 4))
+    names = list(result["repetitions"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    colours = {"off": "tab:red", "cut": "tab:olive", "park": "tab:green"}
     for axis, ratio, target, label in (
-        (left, "throughput_ratio", TARGET_THROUGHPUT_RATIO, "target: 90% of clean"),
-        (right, "ttft_p99_ratio", TARGET_TTFT_P99_RATIO, "target: 1.5x clean"),
+        (axes[0], "throughput_ratio", TARGET_THROUGHPUT_RATIO, "target: 90% of clean"),
+        (axes[1], "ttft_p99_ratio", TARGET_TTFT_P99_RATIO, "target: 1.5x clean"),
     ):
-        for offset, side, colour, name in (
-            (-0.27, "off", "tab:red", "agent off"),
-            (0.0, "on", "tab:green", f"on, {DEFAULT_MIN_READER_BYTES_PER_SECOND} B/s guarantee"),
-            (0.27, "on_fast", "tab:olive", f"on, {FAST_READER_RATE} B/s guarantee"),
-        ):
-            values = [run[f"{side}_vs_clean"][ratio] for run in runs]
-            axis.bar([i + offset for i in range(len(runs))], values, width=0.27, color=colour,
-                     label=name)  # fmt: skip
+        for group, name in enumerate(names):
+            for offset, side in zip((-0.27, 0.0, 0.27), SIDES, strict=True):
+                values = [run[f"{side}_vs_clean"][ratio] for run in result["repetitions"][name]]
+                axis.bar(group + offset, statistics.median(values), width=0.27,
+                         color=colours[side], label=side if group == 0 else None)  # fmt: skip
+                axis.plot([group + offset] * len(values), values, "k.", markersize=4)
         axis.axhline(target, color="black", linestyle="--", label=label)
-        axis.set_xticks(range(len(runs)), [f"run {i + 1}" for i in range(len(runs))])
+        axis.set_xticks(range(len(names)), [f"stalled clients: {n} buffer" for n in names])
         axis.legend(fontsize=8)
-    left.set_ylabel("healthy tokens/s, ratio to clean")
-    right.set_ylabel("healthy TTFT p99, ratio to clean")
-    right.set_yscale("log")
-    colours = {"clean": "grey", "off": "tab:red", "on": "tab:green", "on_fast": "tab:olive"}
-    for index, run in enumerate(runs):
-        offsets = (-0.32, -0.16, 0.0, 0.16, 0.32)
-        for offset, row in zip(offsets, run["configurations"], strict=True):
-            kv.bar(index + offset, row["mean_kv_blocks_used"], width=0.16,
-                   color=colours[row["configuration"]])  # fmt: skip
-    kv.axhline(KV_BLOCKS, color="black", linestyle=":", label="pool")
-    kv.set_xticks(range(len(runs)), [f"run {i + 1}" for i in range(len(runs))])
-    kv.set_ylabel("mean KV blocks in use (clean, off, on, on_fast, clean)")
-    kv.legend(fontsize=8)
+    axes[0].set_ylabel("healthy tokens/s, ratio to clean (median, dots: runs)")
+    axes[1].set_ylabel("healthy TTFT p99, ratio to clean")
+    axes[1].set_yscale("log")
     fig.suptitle(
         f"{HEALTHY_CLIENTS} healthy clients + 25% stalled requests, {KV_BLOCKS}-block KV pool, "
-        f"stall threshold {STALL_SECONDS:g} s, {len(runs)} repetitions"
+        f"park {PARK_SECONDS:g} s, {REPEATS} repetitions"
     )
     fig.tight_layout()
     fig.savefig(RESULTS / "rescue.png", dpi=100)
@@ -346,25 +367,28 @@ def main() -> None:
     path = write_result("rescue", result)
     plot(result)
     print(
-        "configuration  healthy tok/s  TTFT p50  TTFT p99 (ms)  mean KV blocks  waiting  stalls"
-        "  cancels  refused  engine CPU %"
+        "buffer   configuration  healthy tok/s  TTFT p50  TTFT p99 (ms)  mean KV blocks  "
+        "waiting  stalls  parks  cancels"
     )
-    for row in (row for run in result["repetitions"] for row in run["configurations"]):
-        print(
-            f"{row['configuration']:<14}{row['healthy_tokens_per_second']:>14}"
-            f"{row['healthy_ttft_p50_ms']:>10}{row['healthy_ttft_p99_ms']:>15}"
-            f"{row['mean_kv_blocks_used']:>16}{row['mean_requests_waiting']:>9}"
-            f"{row['stalled_requests']:>8}{row['cancels']:>9}{row['budget_refusals']:>9}"
-            f"{row['engine_cpu_percent_of_core']:>14}"
-        )
+    for name, runs in result["repetitions"].items():
+        for row in (row for run in runs for row in run["configurations"]):
+            print(
+                f"{name:<9}{row['configuration']:<15}{row['healthy_tokens_per_second']:>13}"
+                f"{row['healthy_ttft_p50_ms']:>10}{row['healthy_ttft_p99_ms']:>15}"
+                f"{row['mean_kv_blocks_used']:>16}{row['mean_requests_waiting']:>9}"
+                f"{row['stalled_requests']:>8}{row['parks']:>7}{row['cancels']:>9}"
+            )
     summary = result["summary"]
-    for side in ("on", "on_fast"):
-        throughput, ttft = summary[f"{side}_throughput_ratio"], summary[f"{side}_ttft_p99_ratio"]
-        print(
-            f"agent {side} vs clean, median of {REPEATS}: throughput {throughput['median']:.0%} "
-            f"({throughput['min']:.0%}-{throughput['max']:.0%}; target >= 90%), TTFT p99 "
-            f"x{ttft['median']} ({ttft['min']}-{ttft['max']}; target <= 1.5)"
-        )
+    for name in result["repetitions"]:
+        for side in ("cut", "park"):
+            throughput = summary[f"{name}_{side}_throughput_ratio"]
+            ttft = summary[f"{name}_{side}_ttft_p99_ratio"]
+            print(
+                f"{name} buffers, {side} vs clean, median of {REPEATS}: throughput "
+                f"{throughput['median']:.0%} ({throughput['min']:.0%}-{throughput['max']:.0%}; "
+                f"target >= 90%), TTFT p99 x{ttft['median']} ({ttft['min']}-{ttft['max']}; "
+                "target <= 1.5)"
+            )
     print(f"written to {path}")
 
 

@@ -32,14 +32,19 @@ def engine_connection(engine_url: str, prompt: str, max_tokens: int) -> Connecti
 
 
 async def stall_arrivals(
-    conn: Connection, seconds: float, per_second: float, seed: int = 0
+    conn: Connection,
+    seconds: float,
+    per_second: float,
+    seed: int = 0,
+    rcvbuf_bytes: int = STALLED_RCVBUF_BYTES,
 ) -> ClassStats:
     """Stalled clients arriving at random (a Poisson process of `per_second`) for `seconds`:
     each sends one request, reads its first token, then stops reading and waits for the reset
-    that ends it. At most MAX_STALLED_IN_FLIGHT are open at once; the rest are not started."""
+    that ends it, with an SO_RCVBUF of `rcvbuf_bytes` (0: the kernel's default). At most
+    MAX_STALLED_IN_FLIGHT are open at once; the rest are not started."""
     rng = random.Random(seed)
     stats = ClassStats("stalled", 0)
-    behaviour = Behaviour(stall_after_first_token=True, rcvbuf_bytes=STALLED_RCVBUF_BYTES)
+    behaviour = Behaviour(stall_after_first_token=True, rcvbuf_bytes=rcvbuf_bytes)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     tasks: set[asyncio.Task[Outcome]] = set()

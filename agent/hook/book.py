@@ -58,6 +58,7 @@ class _LiveStream:
     opened_at: float  # time.monotonic() when the engine announced it
     egress_buffer_full: bool = False
     parked: bool = False
+    resumes: int = 0
     detached: bool = False
 
 
@@ -134,16 +135,25 @@ class StreamBook:
                 self._update_queued.add(request_id)
             return True
 
-    def answered(self, request_id: str, status: str) -> None:
+    def resumes_of(self, request_id: str) -> int:
+        """How often the stream has resumed: taken when a command arrives, so that its
+        answer can tell whether the request resumed meanwhile (`answered`)."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+            return stream.resumes if stream is not None else 0
+
+    def answered(self, request_id: str, status: str, resumes_then: int) -> None:
         """A command's answer is on its way: "parked" or "detached" marks the stream so that a
-        re-announce says so. A detach answered after the stream's buffer was reported full
-        (coupled again meanwhile) marks nothing."""
+        re-announce says so. A park answered after the request already resumed (its client
+        read at once; `resumes_then` is `resumes_of` when the park arrived) and a detach
+        answered after the stream's buffer was reported full (coupled again meanwhile) mark
+        nothing."""
         with self._lock:
             stream = self._streams.get(request_id)
             if stream is None:
                 return
             if status == "parked":
-                stream.parked = True
+                stream.parked = stream.resumes == resumes_then
             elif status == "detached":
                 stream.detached = not stream.egress_buffer_full
 
@@ -157,6 +167,7 @@ class StreamBook:
             if stream is None:
                 return False
             stream.parked, stream.kv_blocks = False, kv_blocks
+            stream.resumes += 1
             self._enqueue(message)
             return True
 

@@ -95,6 +95,8 @@ class Session:
         self._unsent_line_bytes: deque[int] = deque()
         self._waiting_since = 0.0
         self._events = selectors.EVENT_READ
+        # Each command in flight: its stream's resumes when it arrived (StreamBook.answered).
+        self._resumes_at: dict[str, int] = {}
 
     def run(self) -> str:
         """Serves the connection until it breaks or the hook stops; returns why it ended."""
@@ -163,6 +165,7 @@ class Session:
             self._counters.add("malformed_received")
             _log.debug("dropped a malformed message from the agent: %s", item)
         elif isinstance(item, Command):
+            self._resumes_at[item.correlation_id] = self._book.resumes_of(item.request_id)
             answer = self._commands.submit(item, time.monotonic())
             if answer is not None:
                 self._queue_messages([answer])
@@ -199,7 +202,8 @@ class Session:
     def _note_answer(self, answer: Answer) -> None:
         """Counts an answer going out; a park or a detach that took effect marks its stream."""
         self._counters.add(f"{plural(answer.COMMAND)}_answered")
-        self._book.answered(answer.request_id, answer.status)
+        resumes_then = self._resumes_at.pop(answer.correlation_id, 0)
+        self._book.answered(answer.request_id, answer.status, resumes_then)
 
     def _flush(self, now: float) -> str | None:
         while self._out:

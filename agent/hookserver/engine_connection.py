@@ -64,8 +64,12 @@ class PeerCredentials:
 
 @dataclass
 class _PendingCommand:
+    """A command sent and not yet answered; `resumed` once its request resumed meanwhile
+    (a park's answer then no longer says the request is parked)."""
+
     command: Command
     answer: asyncio.Future[CancelOutcome]
+    resumed: bool = False
 
 
 class EngineConnection:
@@ -263,6 +267,8 @@ class EngineConnection:
 
     def _resumed(self, message: Resumed) -> None:
         self._counters.add("resumes")
+        for pending in self._pending.values():
+            pending.resumed = pending.resumed or pending.command.request_id == message.request_id
         known = self._registry.update(
             self.connection_id,
             message.request_id,
@@ -295,14 +301,14 @@ class EngineConnection:
         else:
             self._counters.add(f"{plural(message.COMMAND)}_answered")
             pending.answer.set_result(message.outcome())
-        self._took_effect(message)
+        self._took_effect(message, resumed=pending is not None and pending.resumed)
 
-    def _took_effect(self, message: Answer) -> None:
-        """What an answer says about its stream, whoever waits: parked, detached (unless an
-        update already said its buffer is full: coupled again), or gone — forgotten now, its
-        close expected."""
+    def _took_effect(self, message: Answer, resumed: bool) -> None:
+        """What an answer says about its stream, whoever waits: parked (unless the request
+        `resumed` before the answer came), detached (unless an update already said its
+        buffer is full: coupled again), or gone — forgotten now, its close expected."""
         request_id = message.request_id
-        if message.status == "parked":
+        if message.status == "parked" and not resumed:
             self._registry.update(
                 self.connection_id, request_id, parked=True, parked_blocks=message.freed_blocks
             )

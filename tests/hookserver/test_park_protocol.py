@@ -4,6 +4,8 @@ resume unmarks it with the blocks it holds again, and a re-announce keeps the st
 
 from __future__ import annotations
 
+import time
+
 from kvwatch.hook import CancelOutcome, EngineHook
 from kvwatch.hookwire.types import ParkOutcome
 from tests.hookserver.conftest import (
@@ -87,5 +89,33 @@ def test_an_engine_without_the_feature_answers_a_park_failed_and_keeps_its_strea
             assert (outcome.status, outcome.freed_blocks) == ("failed", 0)
             assert "cannot park" in outcome.detail
             assert not server.streams()[0].parked
+
+    run_async(scenario())
+
+
+def test_a_request_that_resumes_before_its_park_is_answered_is_not_left_parked(
+    socket_path: str,
+) -> None:
+    """The client read right after the park: the engine's `resumed` can leave before the
+    `parked` answer (the answer waits for the handler's thread). Neither side may then think
+    the request parked: the agent's registry, nor the hook's re-announce."""
+    hooks: list[EngineHook] = []
+
+    def park(request_id: str, reason: str) -> ParkOutcome:
+        hooks[0].stream_resumed(request_id, kv_blocks=3, recomputed_tokens=0)  # read at once
+        time.sleep(0.1)  # deliberate: the resumed goes out before this answer
+        return ParkOutcome(request_id, "parked", 3, 3 * BYTES_PER_BLOCK)
+
+    async def scenario() -> None:
+        async with engine_hook(socket_path, park_handler=park) as hook:
+            hooks.append(hook)
+            hook.stream_opened("cmpl-q", SERVER, CLIENT, kv_blocks=3)
+            async with running_server(socket_path) as (server, _):
+                await wait_until(lambda: len(server.streams()) == 1)
+                assert (await server.park("cmpl-q", "backpressure", {})).status == "parked"
+                assert not server.streams()[0].parked
+            async with running_server(socket_path) as (server, _):  # re-announced
+                await wait_until(lambda: len(server.streams()) == 1)
+                assert not server.streams()[0].parked
 
     run_async(scenario())

@@ -42,6 +42,7 @@ class EgressBudget:
         self.buffered_bytes -= count
 
     def fits(self, count: int) -> bool:
+        """Whether `count` more bytes stay within the total cap (an empty budget takes any)."""
         return not self.buffered_bytes or self.buffered_bytes + count <= self.total_cap_bytes
 
 

@@ -47,6 +47,8 @@ bench: setup
 	$(PY) -m bench.bench_collector
 	$(PY) -m bench.bench_engine
 	$(PY) -m bench.bench_stall_to_free
+	$(PY) -m bench.bench_time_to_free
+	$(PY) -m bench.bench_park
 	$(PY) -m bench.bench_rescue
 	$(PY) -m bench.bench_proxy
 	$(PY) -m bench.bench_footprint

@@ -1,6 +1,7 @@
 """llama-cpp-python's real server on the CPU, wrapped by the kvwatch ASGI middleware, with a
 tiny random-weight model: a stalled client holds its one generation lock until `kvwatch run`
-(enforce, cancel) cancels it through the hook; the waiting request is then served."""
+(enforce) detaches it through the hook, ~2 s into its back-pressure, or, with park off,
+cancels it after the proof; the waiting request is then served."""
 
 from __future__ import annotations
 
@@ -108,12 +109,16 @@ def completion(max_tokens: int, request_id: str, *, greedy: bool = False) -> byt
     return head.encode() + data
 
 
-def stalled_client(port: int, request_id: str) -> socket.socket:
-    """Asks for a long stream, reads its first bytes, then never reads again."""
+def stalled_client(
+    port: int, request_id: str, rcvbuf_bytes: int = 4096, max_tokens: int | None = None
+) -> socket.socket:
+    """Asks for a long stream (the whole context unless told), reads its first bytes, then
+    never reads again; `rcvbuf_bytes` 0 keeps the kernel's default receive buffer."""
     client = socket.socket()
-    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    if rcvbuf_bytes:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf_bytes)
     client.connect(("127.0.0.1", port))
-    client.sendall(completion(MODEL.context_length - 64, request_id))
+    client.sendall(completion(max_tokens or MODEL.context_length - 64, request_id))
     assert client.recv(256), "the stream started"
     return client
 
@@ -174,7 +179,7 @@ def test_a_stalled_client_is_cancelled_and_the_waiting_request_served(
     stack: Stack, servers: list[LlamaServer], model_path: Path
 ) -> None:
     server = start_llama(servers, model_path, WRAPPED, stack.hook_socket)
-    stack.start_agent("--mode", "enforce", "--action", "cancel", port=server.port)
+    stack.start_agent("--mode", "enforce", "--action", "cancel", "--park", "off", port=server.port)
     healthy = Reader(server.port, completion(50, str(uuid.uuid4())))
     healthy.start().join(60)
     stack.wait_engine_connected()
@@ -211,6 +216,45 @@ def test_a_stalled_client_is_cancelled_and_the_waiting_request_served(
     assert outcomes[0]["result"]["freed_bytes"] == context_kv_bytes
     metrics = httpx.get(f"{stack.agent_url}/metrics").text
     assert metric_value(metrics, "kvwatch_actions_reclaimed_kv_bytes_total") == context_kv_bytes
+
+
+def test_a_stalled_client_is_detached_and_the_waiting_request_served_before_any_proof(
+    stack: Stack, servers: list[LlamaServer], model_path: Path
+) -> None:
+    """A client with the kernel's default receive buffer stops reading a 4000-token answer
+    (~1 MB of SSE: more than its buffers hold): the agent detaches its stream ~2 s into the
+    back-pressure, the generation runs to its end into the middleware's buffer and releases
+    the lock, and the waiting request is served — long before the reader-rate proof (about a
+    minute for such a buffer) could cut anyone."""
+    server = start_llama(servers, model_path, WRAPPED, stack.hook_socket)
+    stack.start_agent("--mode", "enforce", port=server.port)
+    stack.wait_engine_connected()
+    stalled_id = str(uuid.uuid4())
+    stalled = stalled_client(server.port, stalled_id, rcvbuf_bytes=0, max_tokens=4000)
+    joined_row(stack, stalled_id, ("zero_window", "stalled"), timeout_seconds=ACTION_SECONDS)
+    waiting = Reader(server.port, completion(50, str(uuid.uuid4())))
+    asked_at = time.monotonic()
+    waiting.start().join(ACTION_SECONDS)
+    try:
+        assert waiting.error is None and waiting.complete, waiting.error
+        assert waiting.done_at is not None
+        served_seconds = waiting.done_at - asked_at
+        print(f"the waiting request was served {served_seconds:.1f} s after it came")
+        outcomes = [o for o in stack.audit_entries("outcome") if o["request_id"] == stalled_id]
+        assert [(o["action"], o["result"]["status"]) for o in outcomes][:1] == [
+            ("detach", "detached")
+        ], outcomes
+        decision = next(
+            d
+            for d in stack.audit_entries("decision")
+            if d["decision_id"] == outcomes[0]["decision_id"]
+        )
+        assert (decision["verdict"], decision["reason"]) == ("act", "backpressure")
+        assert decision["evidence"]["stalled_seconds"] < 3.0, decision["evidence"]
+        assert not [o for o in outcomes if o["action"] in ("cancel", "reset")], "no cut yet"
+        assert served_seconds < ACTION_SECONDS
+    finally:
+        stalled.close()
 
 
 def test_without_an_agent_the_server_answers_as_it_does_unwrapped(

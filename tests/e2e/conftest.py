@@ -23,8 +23,9 @@ STALL_SECONDS = 2.0
 
 
 class Stack(processes.Stack):
-    """kvwatch.harness.stack.Stack with the tests' engine, a 2 s stall threshold and no grace
-    period, plus the test clients."""
+    """kvwatch.harness.stack.Stack with the tests' engine, a 2 s stall threshold, no grace
+    period and park off (these tests are about the cut; a test of parking passes
+    `--park on`, which wins, being later), plus the test clients."""
 
     def start_engine(self, *args: str) -> processes.Service:
         return super().start_engine(*ENGINE_ARGS, *args)
@@ -41,6 +42,8 @@ class Stack(processes.Stack):
             str(STALL_SECONDS),
             "--grace-seconds",
             "0",
+            "--park",
+            "off",
             *args,
             port=port,
             audit=audit,

@@ -179,7 +179,7 @@ def test_a_stalled_client_is_cancelled_and_the_waiting_request_served(
     stack: Stack, servers: list[LlamaServer], model_path: Path
 ) -> None:
     server = start_llama(servers, model_path, WRAPPED, stack.hook_socket)
-    stack.start_agent("--mode", "enforce", "--action", "cancel", "--park", "off", port=server.port)
+    stack.start_agent("--mode", "enforce", "--action", "cancel", port=server.port)
     healthy = Reader(server.port, completion(50, str(uuid.uuid4())))
     healthy.start().join(60)
     stack.wait_engine_connected()
@@ -227,7 +227,7 @@ def test_a_stalled_client_is_detached_and_the_waiting_request_served_before_any_
     the lock, and the waiting request is served — long before the reader-rate proof (about a
     minute for such a buffer) could cut anyone."""
     server = start_llama(servers, model_path, WRAPPED, stack.hook_socket)
-    stack.start_agent("--mode", "enforce", port=server.port)
+    stack.start_agent("--mode", "enforce", "--park", "on", port=server.port)
     stack.wait_engine_connected()
     stalled_id = str(uuid.uuid4())
     stalled = stalled_client(server.port, stalled_id, rcvbuf_bytes=0, max_tokens=4000)

@@ -33,6 +33,7 @@ bench/results/collector.json and collector.png.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import socket
@@ -48,8 +49,10 @@ from bench import bench_footprint, collector_cpu
 from bench.common import RESULTS, write_result
 from bench.token_load import TokenLoad, TokenPump
 from kvwatch.collect.bpf.collector import BpfCollector
+from kvwatch.collect.bpf.layout import KvSockRecord
 from kvwatch.collect.bpf.libbpf import check_ptr, check_rc, libbpf
 from kvwatch.collect.bpf.loader import STORAGES, BpfPrograms, CollectorSettings
+from kvwatch.collect.bpf.records import SampleCache
 from kvwatch.collect.bpf.runstats import ProgramRunStats, program_run_stats, set_stats_enabled
 from kvwatch.errors import BpfError
 
@@ -263,9 +266,9 @@ def snapshot_reads(count: int = SNAPSHOT_SOCKETS) -> dict[str, Any]:
         result: dict[str, Any] = {"sockets": count, "refused": refused}
         for storage, collector in collectors.items():
             table = collector.programs.table
-            records = len(table.read_raw())
-            raw = [timed_ms(table.read_raw) for _ in range(SNAPSHOT_READS)]
-            collector._converted = {}
+            records = len(table.read_all()) // ctypes.sizeof(KvSockRecord)
+            raw = [timed_ms(table.read_all) for _ in range(SNAPSHOT_READS)]
+            collector.cache = SampleCache()  # the first read: every record converted
             cold = timed_ms(collector.samples)
             warm = [timed_ms(collector.samples) for _ in range(SNAPSHOT_READS)]
             result[storage] = {

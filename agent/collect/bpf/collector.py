@@ -10,69 +10,13 @@ from typing import Literal, Protocol
 from kvwatch.collect.bpf.layout import EVENT_NAMES, KvEvent, KvSockRecord
 from kvwatch.collect.bpf.loader import AttachReport, BpfPrograms, CollectorSettings
 from kvwatch.collect.bpf.maps import EventRing, SocketTable, read_stats
-from kvwatch.sockets import TCP_CLOSE, Endpoint, Feeder, SocketSample, Source
-
-SEQ_MODULO = 1 << 32
-TCP_STATE_OFFSET = KvSockRecord.tcp_state.offset
-
-
-def seq_distance(later: int, earlier: int) -> int:
-    """Bytes from `earlier` to `later` in 32-bit sequence space (0 if `later` is behind)."""
-    distance = (later - earlier) % SEQ_MODULO
-    return distance if distance < SEQ_MODULO // 2 else 0
-
-
-def _feeder(record: KvSockRecord) -> Feeder | None:
-    if not record.feeder_sk:
-        return None
-    ends = record.feeder
-    return Feeder(
-        local=Endpoint.from_packed(ends.family, bytes(ends.saddr), ends.sport),
-        remote=Endpoint.from_packed(ends.family, bytes(ends.daddr), ends.dport),
-        feeds=record.feeds,
-        misses=record.feeder_misses,
-        fed_ns=record.fed_ns,
-    )
+from kvwatch.collect.bpf.records import RECORD, SampleCache, sample_from_raw
+from kvwatch.sockets import SocketSample, Source
 
 
 def record_to_sample(record: KvSockRecord, observed_ns: int) -> SocketSample:
-    return SocketSample(
-        key=record.sk,
-        source="bpf",
-        observed_ns=observed_ns,
-        local=Endpoint.from_packed(record.family, bytes(record.saddr), record.sport),
-        remote=Endpoint.from_packed(record.family, bytes(record.daddr), record.dport),
-        netns=record.netns,
-        inode=record.inode,
-        pid=record.tgid,
-        comm=record.comm.decode(errors="replace"),
-        tcp_state=record.tcp_state,
-        wmem_queued=record.wmem_queued,
-        sndbuf=record.sndbuf,
-        notsent_bytes=seq_distance(record.write_seq, record.snd_nxt),
-        unacked_bytes=seq_distance(record.snd_nxt, record.snd_una),
-        peer_rwnd=record.peer_rwnd,
-        srtt_us=record.srtt_us,
-        snd_cwnd=record.snd_cwnd,
-        retransmits=record.retransmits,
-        zero_window_probes=record.zero_window_probes,
-        zero_window_episodes=record.zero_window_episodes,
-        zero_window_since_ns=record.zero_window_since_ns,
-        zero_window_total_ns=record.zero_window_total_ns,
-        last_zero_window_end_ns=record.last_zero_window_end_ns,
-        sndbuf_full_episodes=record.sndbuf_full_episodes,
-        sndbuf_full_since_ns=record.sndbuf_full_since_ns,
-        progress_ns=record.progress_ns,
-        first_seen_ns=record.first_seen_ns,
-        bytes_acked=record.bytes_acked,
-        first_send_ns=record.first_send_ns,
-        first_acked_ns=record.first_acked_ns,
-        peer_rwnd_max=record.peer_rwnd_max,
-        rto_us=record.srtt_us + record.rttvar_us,
-        probe_backoff=record.probe_backoff,
-        last_ack_ns=record.last_ack_ns,
-        feeder=_feeder(record),
-    )
+    """One record's sample: an edge event's, or a single socket read by key."""
+    return sample_from_raw(bytes(record), observed_ns)
 
 
 @dataclass(frozen=True)
@@ -124,7 +68,7 @@ class BpfCollector:
 
     def __init__(self, settings: CollectorSettings, backend: BpfBackend = "core") -> None:
         self.programs = load_programs(settings, backend)
-        self._converted: dict[int, tuple[bytes, SocketSample]] = {}
+        self.cache = SampleCache()
         self._evicted = 0
 
     @property
@@ -132,25 +76,14 @@ class BpfCollector:
         return self.programs.report
 
     def samples(self) -> list[SocketSample]:
-        """Every tracked socket. Only records whose bytes changed since the last call are
-        converted again (on an idle node almost none are), so a sample's `observed_ns` is when
-        its record was last read changed."""
+        """Every tracked socket. A sample is made again only when its record changed in a
+        way the judge reads (`SampleCache`: on an idle node almost never, and for a healthy
+        stream idle between tokens at most every FLOW_REFRESH_NS), so a sample's
+        `observed_ns` is when it was made."""
         created_before = read_stats(self.programs.stats_fd)["records_created"]
-        raw_records = self.programs.table.read_raw()
-        self._note_table(created_before, len(raw_records))
-        now_ns = time.monotonic_ns()
-        converted: dict[int, tuple[bytes, SocketSample]] = {}
-        for key, raw in raw_records.items():
-            if raw[TCP_STATE_OFFSET] == TCP_CLOSE:
-                continue  # a socket closing as the map was read; its close event removes it
-            previous = self._converted.get(key)
-            if previous is not None and previous[0] == raw:
-                converted[key] = previous
-            else:
-                record = KvSockRecord.from_buffer_copy(raw)
-                converted[key] = (raw, record_to_sample(record, now_ns))
-        self._converted = converted
-        return [sample for _, sample in converted.values()]
+        records = self.programs.table.read_all()
+        self._note_table(created_before, len(records) // RECORD.size)
+        return self.cache.update(records, time.monotonic_ns())
 
     def sample(self, key: int) -> SocketSample | None:
         record = self.programs.table.read(key)
@@ -163,7 +96,7 @@ class BpfCollector:
         a record lives as long as its socket, so it is always 0 there)."""
         if tracked is None:
             created_before = read_stats(self.programs.stats_fd)["records_created"]
-            tracked = len(self.programs.table.read_raw())
+            tracked = len(self.programs.table.read_all()) // RECORD.size
             self._note_table(created_before, tracked)
         totals = read_stats(self.programs.stats_fd)
         totals["tracked"] = tracked

@@ -2,7 +2,9 @@
 
 The socket records live in one of two tables (`SocketTable`): the LRU hash, read in batches
 of BATCH_RECORDS keys, or socket-local storage, which has no keys userspace can name and is
-read whole through a BPF iterator (one program run per record, one read() per ~32 KB)."""
+read whole through a BPF iterator (one program run per record, one read() per ~32 KB). A read
+of the whole table is one `bytes` of records back to back, each led by its socket's address
+(the hash's key): no object per record, so a large table costs its own size while it is read."""
 
 from __future__ import annotations
 
@@ -30,9 +32,9 @@ def read_record(map_fd: int, key: int) -> KvSockRecord | None:
     return record if rc == 0 else None
 
 
-def read_raw_records(map_fd: int) -> dict[int, bytes]:
-    """Every record in the socket map as raw bytes by key: batched where the kernel can
-    (5.6+), else key by key. Raw bytes let callers skip records that did not change."""
+def read_all_records(map_fd: int) -> bytes:
+    """Every record in the socket map, back to back: batched where the kernel can (5.6+),
+    else key by key."""
     try:
         return _read_batched(map_fd)
     except OSError as exc:
@@ -41,13 +43,13 @@ def read_raw_records(map_fd: int) -> dict[int, bytes]:
         return _read_key_by_key(map_fd)
 
 
-def _read_batched(map_fd: int) -> dict[int, bytes]:
+def _read_batched(map_fd: int) -> bytes:
     lib = libbpf()
     record_size = ctypes.sizeof(KvSockRecord)
     keys = (ctypes.c_uint64 * BATCH_RECORDS)()
     values = (KvSockRecord * BATCH_RECORDS)()
     token = ctypes.c_uint64()
-    records: dict[int, bytes] = {}
+    chunks: list[bytes] = []
     first = True
     while True:
         count = ctypes.c_uint32(BATCH_RECORDS)
@@ -62,28 +64,26 @@ def _read_batched(map_fd: int) -> dict[int, bytes]:
         )
         first = False
         err = ctypes.get_errno() if rc < 0 else 0
-        raw = ctypes.string_at(values, count.value * record_size)
-        for index, key in enumerate(keys[: count.value]):
-            records[key] = raw[index * record_size : (index + 1) * record_size]
+        chunks.append(ctypes.string_at(values, count.value * record_size))
         if rc < 0 and err == errno.ENOENT:
-            return records
+            return b"".join(chunks)
         if rc < 0:
             raise OSError(err, "bpf_map_lookup_batch")
 
 
-def _read_key_by_key(map_fd: int) -> dict[int, bytes]:
+def _read_key_by_key(map_fd: int) -> bytes:
     lib = libbpf()
     key = ctypes.c_uint64()
     next_key = ctypes.c_uint64()
-    records: dict[int, bytes] = {}
+    records: list[bytes] = []
     previous = None
     while lib.bpf_map_get_next_key(map_fd, previous, ctypes.byref(next_key)) == 0:
         key.value = next_key.value
         record = read_record(map_fd, key.value)
         if record is not None:
-            records[key.value] = bytes(record)
+            records.append(bytes(record))
         previous = ctypes.byref(key)
-    return records
+    return b"".join(records)
 
 
 def read_stats(map_fd: int) -> dict[str, int]:
@@ -100,9 +100,9 @@ def read_stats(map_fd: int) -> dict[str, int]:
 
 
 class SocketTable(Protocol):
-    """Where the programs keep their socket records: every record by key, or one."""
+    """Where the programs keep their socket records: every record (back to back), or one."""
 
-    def read_raw(self) -> dict[int, bytes]: ...
+    def read_all(self) -> bytes: ...
 
     def read(self, key: int) -> KvSockRecord | None: ...
 
@@ -115,8 +115,8 @@ class HashTable:
     def __init__(self, map_fd: int) -> None:
         self.map_fd = map_fd
 
-    def read_raw(self) -> dict[int, bytes]:
-        return read_raw_records(self.map_fd)
+    def read_all(self) -> bytes:
+        return read_all_records(self.map_fd)
 
     def read(self, key: int) -> KvSockRecord | None:
         return read_record(self.map_fd, key)
@@ -125,14 +125,18 @@ class HashTable:
         """The map belongs to the programs' object: nothing of its own to free."""
 
 
+def unreadable() -> BpfError:
+    return BpfError("socket records loaded without their reader", "load them readable")
+
+
 class UnreadableTable:
     """Socket-local storage loaded without its iterator (`BpfPrograms(readable=False)`)."""
 
-    def read_raw(self) -> dict[int, bytes]:
-        raise BpfError("socket records loaded without their reader", "load them readable")
+    def read_all(self) -> bytes:
+        raise unreadable()
 
     def read(self, key: int) -> KvSockRecord | None:
-        return KvSockRecord.from_buffer_copy(self.read_raw()[key])
+        raise unreadable()
 
     def close(self) -> None:
         """Nothing of its own to free."""
@@ -177,29 +181,26 @@ class StorageTable:
         )
         self._link_fd = check_rc(lib.bpf_link__fd(self._link), "fd of the iterator link")
 
-    def read_raw(self) -> dict[int, bytes]:
-        """Every record by key, read() after read(): the kernel hands out whole records,
-        ~32 KB a call, and each chunk is split as it comes (no copy of the whole table)."""
-        size = ctypes.sizeof(KvSockRecord)
-        records: dict[int, bytes] = {}
-        pending = b""
+    def read_all(self) -> bytes:
+        """Every record, read() after read(): the kernel hands out whole records, ~32 KB a
+        call."""
+        chunks: list[bytes] = []
         fd = check_rc(libbpf().bpf_iter_create(self._link_fd), "start a socket-storage read")
         try:
             while chunk := os.read(fd, ITERATOR_READ_BYTES):
-                data = pending + chunk if pending else chunk
-                whole = len(data) - len(data) % size
-                # Each record starts with its socket's address: every key in one strided view.
-                keys = memoryview(data)[:whole].cast("Q")[:: size // 8].tolist()
-                for index, key in enumerate(keys):
-                    records[key] = data[index * size : (index + 1) * size]
-                pending = data[whole:]
+                chunks.append(chunk)
         finally:
             os.close(fd)
-        return records
+        return b"".join(chunks)
 
     def read(self, key: int) -> KvSockRecord | None:
-        raw = self.read_raw().get(key)
-        return KvSockRecord.from_buffer_copy(raw) if raw is not None else None
+        record_size = ctypes.sizeof(KvSockRecord)
+        records = self.read_all()
+        # Each record starts with its socket's address: every key in one strided view.
+        for index, found in enumerate(memoryview(records).cast("Q")[:: record_size // 8]):
+            if found == key:
+                return KvSockRecord.from_buffer_copy(records, index * record_size)
+        return None
 
     def close(self) -> None:
         if self._link:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -94,6 +95,13 @@ class EventLog:
 
     def kinds_for(self, client_port: int) -> list[str]:
         return [e.kind for e in self.drain() if e.sample.remote.port == client_port]
+
+
+def records_by_key(records: bytes) -> dict[int, bytes]:
+    """A read of the whole table (records back to back), each record by its socket's key."""
+    size = ctypes.sizeof(KvSockRecord)
+    split = [records[offset : offset + size] for offset in range(0, len(records), size)]
+    return {KvSockRecord.from_buffer_copy(raw).sk: raw for raw in split}
 
 
 def record_fields(record: KvSockRecord) -> dict[str, Any]:

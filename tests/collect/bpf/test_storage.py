@@ -8,6 +8,7 @@ by the moment between the two programs' runs.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from tests.collect.bpf.conftest import (
     differences,
     in_zero_window,
     record_fields,
+    records_by_key,
     wait_for_server_side,
 )
 from tests.waiting import wait_for
@@ -71,9 +73,9 @@ def agreeing(layouts: Layouts) -> dict[int, tuple[bytes, bytes]]:
     deadline = time.monotonic() + SETTLE_SECONDS
     last = ["no quiet moment to read both tables in"]
     while time.monotonic() < deadline:
-        before = layouts.storage.programs.table.read_raw()
-        hashed = layouts.hashed.programs.table.read_raw()
-        after = layouts.storage.programs.table.read_raw()
+        before = records_by_key(layouts.storage.programs.table.read_all())
+        hashed = records_by_key(layouts.hashed.programs.table.read_all())
+        after = records_by_key(layouts.storage.programs.table.read_all())
         if before == after:
             if before.keys() != hashed.keys():
                 last = [f"keys differ: {sorted(before)} vs {sorted(hashed)}"]
@@ -149,13 +151,13 @@ def test_the_iterator_reads_every_record_once(layouts: Layouts) -> None:
     """Many records, read whole: every one comes back once, keyed by its socket."""
     clients = [layouts.scenario.connect("idle") for _ in range(200)]
     layouts.scenario.wait_for_server_sockets(200, timeout_seconds=30)
+    size = ctypes.sizeof(KvSockRecord)
     found = wait_for(
-        lambda: (n := len(layouts.storage.programs.table.read_raw())) >= 200 and n,
+        lambda: (n := len(layouts.storage.programs.table.read_all()) // size) >= 200 and n,
         5.0,
         "200 records",
     )
     assert found == 200
-    raw = layouts.storage.programs.table.read_raw()
-    assert all(KvSockRecord.from_buffer_copy(r).sk == key for key, r in raw.items())
+    assert len(records_by_key(layouts.storage.programs.table.read_all())) == 200
     for client in clients:
         client.close()

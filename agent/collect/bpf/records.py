@@ -1,0 +1,280 @@
+"""Socket records (struct kv_sock_record, as bytes) turned into `SocketSample`s, only as
+often as the judge needs.
+
+A record is unpacked by one `struct.Struct` derived from the ctypes mirror
+(`layout.KvSockRecord`, itself checked against the object's BTF), so the two cannot drift.
+
+`SampleCache` keeps, per socket key, a sample and what the newest record looked like (two
+hashes, not the bytes: a large table costs little beyond its samples). A read of the whole
+table makes a new sample only for a record that changed, and not even then while the change
+is only the flow of a healthy, idle socket (`FLOW_FIELDS` moved; no back-pressure, nothing
+pending before or after): such a socket keeps its sample for up to `FLOW_REFRESH_NS`, so a
+stream that is between tokens at each read costs a hash, not a conversion. Everything the
+judge reads of a socket under back-pressure, with data pending, or whose state, owner,
+episodes or feeder changed is always as of this read.
+
+The hashes are Python's (SipHash, 64 bits, keyed per process): two different records hash
+alike about once in 2^64 comparisons, which would hold a sample back until its record's
+next change.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from kvwatch.collect.bpf.layout import KvSockRecord
+from kvwatch.sockets import TCP_CLOSE, Endpoint, Feeder, SocketSample
+
+SEQ_MODULO = 1 << 32
+# The fields a healthy flow moves on every write and ACK; a change in any other field (or
+# back-pressure, or pending data) makes a new sample at once.
+FLOW_FIELDS = frozenset(
+    {
+        "last_send_ns",
+        "last_ack_ns",
+        "progress_ns",
+        "send_bytes",
+        "send_calls",
+        "acks",
+        "bytes_acked",
+        "snd_una",
+        "snd_nxt",
+        "write_seq",
+        "peer_rwnd",
+        "peer_rwnd_max",
+        "rttvar_us",
+        "srtt_us",
+        "snd_cwnd",
+        "wmem_queued",
+        "sndbuf",
+        "retransmits",
+    }
+)
+# How long an idle, healthy socket's sample may lag its record's flow counters.
+FLOW_REFRESH_NS = 5_000_000_000
+
+
+# struct codes of the unsigned integer types the shared structs use: '<' gives each its
+# standard size (c_uint64 is c_ulong, whose own code 'L' would be 4 bytes there).
+UNSIGNED_CODES = {
+    ctypes.c_uint8: "B",
+    ctypes.c_uint16: "H",
+    ctypes.c_uint32: "I",
+    ctypes.c_uint64: "Q",
+}
+
+
+def struct_format(
+    structure: type[ctypes.Structure], keep: frozenset[str] | None = None, prefix: str = ""
+) -> tuple[str, list[str]]:
+    """A little-endian `struct` format for a ctypes structure (padding explicit) and the
+    names of the values it unpacks, nested members as `outer_inner`; byte arrays are one
+    `bytes` value. With `keep`, only those top-level members are unpacked (the rest skipped).
+    Raises TypeError on a member of another kind (kvwatch.h has none)."""
+    codes: list[str] = []
+    names: list[str] = []
+    end = 0
+    for name, kind, *_ in structure._fields_:
+        offset = getattr(structure, name).offset
+        size = ctypes.sizeof(kind)
+        if offset > end:
+            codes.append(f"{offset - end}x")
+        if keep is not None and name not in keep:
+            codes.append(f"{size}x")
+        elif issubclass(kind, ctypes.Structure):
+            nested_codes, nested_names = struct_format(kind, prefix=f"{prefix}{name}_")
+            codes.append(nested_codes)
+            names.extend(nested_names)
+        elif issubclass(kind, ctypes.Array) and size == len(kind()):  # one byte an element
+            codes.append(f"{size}s")
+            names.append(prefix + name)
+        elif kind in UNSIGNED_CODES:
+            codes.append(UNSIGNED_CODES[kind])
+            names.append(prefix + name)
+        else:
+            raise TypeError(f"{structure.__name__}.{name}: no struct code for {kind.__name__}")
+        end = offset + size
+    if ctypes.sizeof(structure) > end:
+        codes.append(f"{ctypes.sizeof(structure) - end}x")
+    return "".join(codes), names
+
+
+def named_tuple(name: str, fields: list[str]) -> Any:
+    """A namedtuple type whose fields are known only at run time (derived from the layout)."""
+    make: Any = collections.namedtuple
+    return make(name, fields)
+
+
+RECORD_FORMAT, RECORD_FIELDS = struct_format(KvSockRecord)
+RECORD = struct.Struct("<" + RECORD_FORMAT)
+RecordValues = named_tuple("RecordValues", RECORD_FIELDS)
+JUDGED = struct.Struct("<" + struct_format(KvSockRecord, frozenset(RECORD_FIELDS) - FLOW_FIELDS)[0])
+UNSENT = struct.Struct("<" + struct_format(KvSockRecord, frozenset({"snd_una", "write_seq"}))[0])
+TCP_STATE_OFFSET = KvSockRecord.tcp_state.offset
+# Past this many, the endpoint cache starts over.
+CACHED_ENDPOINTS_MAX = 4096
+
+
+def seq_distance(later: int, earlier: int) -> int:
+    """Bytes from `earlier` to `later` in 32-bit sequence space (0 if `later` is behind)."""
+    distance = (later - earlier) % SEQ_MODULO
+    return distance if distance < SEQ_MODULO // 2 else 0
+
+
+class EndpointCache:
+    """Endpoints made once from the kernel's packed addresses: one that many connections
+    share (a server's) whole, one of a single connection (a client's ephemeral port) by its
+    address text. Bounded: each map starts over past CACHED_ENDPOINTS_MAX entries."""
+
+    def __init__(self) -> None:
+        self._locals: dict[tuple[int, bytes, int], Endpoint] = {}
+        self._addresses: dict[tuple[int, bytes], str] = {}
+
+    def shared(self, family: int, packed: bytes, port: int) -> Endpoint:
+        key = (family, packed, port)
+        found = self._locals.get(key)
+        if found is None:
+            if len(self._locals) >= CACHED_ENDPOINTS_MAX:
+                self._locals.clear()
+            found = self._locals[key] = Endpoint.from_packed(family, packed, port)
+        return found
+
+    def per_connection(self, family: int, packed: bytes, port: int) -> Endpoint:
+        key = (family, packed)
+        address = self._addresses.get(key)
+        if address is None:
+            if len(self._addresses) >= CACHED_ENDPOINTS_MAX:
+                self._addresses.clear()
+            address = self._addresses[key] = Endpoint.from_packed(family, packed, port).ip
+        return Endpoint(address, port)
+
+
+def _feeder(values: Any, endpoints: EndpointCache) -> Feeder | None:
+    if not values.feeder_sk:
+        return None
+    family = values.feeder_family
+    return Feeder(
+        local=endpoints.per_connection(family, values.feeder_saddr, values.feeder_sport),
+        remote=endpoints.shared(family, values.feeder_daddr, values.feeder_dport),
+        feeds=values.feeds,
+        misses=values.feeder_misses,
+        fed_ns=values.fed_ns,
+    )
+
+
+def sample_from_raw(
+    raw: bytes | memoryview, observed_ns: int, endpoints: EndpointCache | None = None
+) -> SocketSample:
+    """The sample of one record (`RECORD.size` bytes)."""
+    values = RecordValues._make(RECORD.unpack(raw))
+    family = values.family
+    endpoints = endpoints or EndpointCache()
+    return SocketSample(
+        key=values.sk,
+        source="bpf",
+        observed_ns=observed_ns,
+        local=endpoints.shared(family, values.saddr, values.sport),
+        remote=endpoints.per_connection(family, values.daddr, values.dport),
+        netns=values.netns,
+        inode=values.inode,
+        pid=values.tgid,
+        comm=values.comm.split(b"\0", 1)[0].decode(errors="replace"),
+        tcp_state=values.tcp_state,
+        wmem_queued=values.wmem_queued,
+        sndbuf=values.sndbuf,
+        notsent_bytes=seq_distance(values.write_seq, values.snd_nxt),
+        unacked_bytes=seq_distance(values.snd_nxt, values.snd_una),
+        peer_rwnd=values.peer_rwnd,
+        srtt_us=values.srtt_us,
+        snd_cwnd=values.snd_cwnd,
+        retransmits=values.retransmits,
+        zero_window_probes=values.zero_window_probes,
+        zero_window_episodes=values.zero_window_episodes,
+        zero_window_since_ns=values.zero_window_since_ns,
+        zero_window_total_ns=values.zero_window_total_ns,
+        last_zero_window_end_ns=values.last_zero_window_end_ns,
+        sndbuf_full_episodes=values.sndbuf_full_episodes,
+        sndbuf_full_since_ns=values.sndbuf_full_since_ns,
+        progress_ns=values.progress_ns,
+        first_seen_ns=values.first_seen_ns,
+        bytes_acked=values.bytes_acked,
+        first_send_ns=values.first_send_ns,
+        first_acked_ns=values.first_acked_ns,
+        peer_rwnd_max=values.peer_rwnd_max,
+        rto_us=values.srtt_us + values.rttvar_us,
+        probe_backoff=values.probe_backoff,
+        last_ack_ns=values.last_ack_ns,
+        feeder=_feeder(values, endpoints),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CachedSample:
+    """A socket's sample and what its newest record looked like: the hash of all of it and
+    of its judged part (everything but FLOW_FIELDS); `lagging` while the sample lags
+    flow-only changes of that record (see the module's docstring)."""
+
+    record_hash: int
+    judged_hash: int
+    sample: SocketSample
+    lagging: bool = False
+
+
+def idle_and_healthy(sample: SocketSample) -> bool:
+    return not (sample.pending_bytes or sample.zero_window or sample.sndbuf_full)
+
+
+class SampleCache:
+    """Samples of every tracked socket, made again only when the judge needs them (module
+    docstring). Owned by one collector; one thread."""
+
+    def __init__(self) -> None:
+        self._cached: dict[int, CachedSample] = {}
+        self._endpoints = EndpointCache()
+
+    def update(self, records: bytes, now_ns: int) -> list[SocketSample]:
+        """Samples of a read of the whole table (records back to back); records of sockets
+        closing as the table was read are left out (their close event removes them)."""
+        view = memoryview(records)
+        size = RECORD.size
+        # Each record starts with its socket's address: every key in one strided view.
+        keys = view.cast("Q")[:: size // 8].tolist()
+        cached: dict[int, CachedSample] = {}
+        for index, key in enumerate(keys):
+            offset = index * size
+            if records[offset + TCP_STATE_OFFSET] == TCP_CLOSE:
+                continue
+            cached[key] = self._updated(self._cached.get(key), view[offset : offset + size], now_ns)
+        self._cached = cached
+        return [entry.sample for entry in cached.values()]
+
+    def _updated(self, previous: CachedSample | None, raw: memoryview, now_ns: int) -> CachedSample:
+        record_hash = hash(raw)
+        if previous is not None and previous.record_hash == record_hash:
+            if not previous.lagging or now_ns - previous.sample.observed_ns < FLOW_REFRESH_NS:
+                return previous
+            return self._made(raw, record_hash, previous.judged_hash, now_ns)
+        judged_hash = hash(JUDGED.unpack(raw))
+        if previous is not None and self._flow_only(previous, raw, judged_hash, now_ns):
+            return CachedSample(record_hash, judged_hash, previous.sample, lagging=True)
+        return self._made(raw, record_hash, judged_hash, now_ns)
+
+    def _made(
+        self, raw: memoryview, record_hash: int, judged_hash: int, now_ns: int
+    ) -> CachedSample:
+        return CachedSample(record_hash, judged_hash, sample_from_raw(raw, now_ns, self._endpoints))
+
+    @staticmethod
+    def _flow_only(previous: CachedSample, raw: memoryview, judged_hash: int, now_ns: int) -> bool:
+        """The record moved only in its flow counters, within FLOW_REFRESH_NS of its sample,
+        and the socket was idle and healthy before and is idle after."""
+        if now_ns - previous.sample.observed_ns >= FLOW_REFRESH_NS:
+            return False
+        if judged_hash != previous.judged_hash or not idle_and_healthy(previous.sample):
+            return False
+        snd_una, write_seq = UNSENT.unpack(raw)
+        return bool(snd_una == write_seq)

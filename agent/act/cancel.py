@@ -7,42 +7,32 @@ import time
 from typing import Any
 
 from kvwatch.act.episodes import Unfinished
+from kvwatch.act.hook_command import COMMAND_TIMEOUT_SECONDS, HookCommand
 from kvwatch.act.tally import ActionTally
 from kvwatch.hookserver.hook_server import HookServer
+from kvwatch.hookserver.registry import EngineStream
+from kvwatch.hookwire.types import CancelOutcome
 from kvwatch.streams.relay import Cancels
-from kvwatch.streams.view import StreamView
-
-CANCEL_TIMEOUT_SECONDS = 2.0
 
 
-class Cancel:
+class Cancel(HookCommand):
     """Cancels go to the engine that announced the stream; `cancels` remembers each request
     cancelled, by engine socket, for the relay join (its client socket at a proxy is reset)."""
 
     name = "cancel"
 
     def __init__(self, hooks: HookServer, tally: ActionTally, cancels: Cancels) -> None:
-        self.hooks = hooks
-        self.tally = tally
+        super().__init__(hooks, tally)
         self.cancels = cancels
 
-    async def __call__(self, view: StreamView, attempt: Unfinished) -> dict[str, Any]:
-        engine = view.engine
-        assert engine is not None, "cancel needs an engine-announced stream"
-        outcome = await self.hooks.cancel(
-            engine.request_id,
-            attempt.reason,
-            attempt.evidence,
-            timeout_seconds=CANCEL_TIMEOUT_SECONDS,
-        )
-        self.tally.outcomes[self.name, attempt.reason, outcome.status] += 1
+    async def send(self, request_id: str, reason: str, evidence: dict[str, Any]) -> CancelOutcome:
+        return await self.hooks.cancel(request_id, reason, evidence, COMMAND_TIMEOUT_SECONDS)
+
+    def took_effect(
+        self, engine: EngineStream, attempt: Unfinished, outcome: CancelOutcome
+    ) -> dict[str, Any]:
         attempt.cancelled = outcome.status == "cancelled"
         if attempt.cancelled:
             self.tally.reclaimed(outcome.freed_blocks, outcome.freed_bytes)
             self.cancels.add(engine, time.monotonic_ns())
-        return {
-            "status": outcome.status,
-            "freed_blocks": outcome.freed_blocks,
-            "freed_bytes": outcome.freed_bytes,
-            "detail": outcome.detail,
-        }
+        return {"freed_blocks": outcome.freed_blocks, "freed_bytes": outcome.freed_bytes}

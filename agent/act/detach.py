@@ -8,34 +8,21 @@ from __future__ import annotations
 from typing import Any
 
 from kvwatch.act.episodes import Unfinished
-from kvwatch.act.tally import ActionTally
-from kvwatch.hookserver.hook_server import HookServer
-from kvwatch.streams.view import StreamView
-
-DETACH_TIMEOUT_SECONDS = 2.0
+from kvwatch.act.hook_command import COMMAND_TIMEOUT_SECONDS, HookCommand
+from kvwatch.hookserver.registry import EngineStream
+from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
 
 
-class Detach:
+class Detach(HookCommand):
     """Detaches go to the engine that announced the stream, on the engine's own socket."""
 
     name = "detach"
 
-    def __init__(self, hooks: HookServer, tally: ActionTally) -> None:
-        self.hooks = hooks
-        self.tally = tally
+    async def send(self, request_id: str, reason: str, evidence: dict[str, Any]) -> CancelOutcome:
+        return await self.hooks.detach(request_id, reason, evidence, COMMAND_TIMEOUT_SECONDS)
 
-    async def __call__(self, view: StreamView, attempt: Unfinished) -> dict[str, Any]:
-        engine = view.engine
-        assert engine is not None, "detach needs an engine-announced stream"
-        outcome = await self.hooks.detach(
-            engine.request_id,
-            attempt.reason,
-            attempt.evidence,
-            timeout_seconds=DETACH_TIMEOUT_SECONDS,
-        )
-        self.tally.outcomes[self.name, attempt.reason, outcome.status] += 1
-        return {
-            "status": outcome.status,
-            "buffered_bytes": outcome.buffered_bytes,
-            "detail": outcome.detail,
-        }
+    def took_effect(
+        self, engine: EngineStream, attempt: Unfinished, outcome: CancelOutcome
+    ) -> dict[str, Any]:
+        assert isinstance(outcome, DetachOutcome), "a detach's outcome says what it buffered"
+        return {"buffered_bytes": outcome.buffered_bytes}

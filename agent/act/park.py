@@ -7,37 +7,22 @@ from __future__ import annotations
 from typing import Any
 
 from kvwatch.act.episodes import Unfinished
-from kvwatch.act.tally import ActionTally
-from kvwatch.hookserver.hook_server import HookServer
-from kvwatch.streams.view import StreamView
-
-PARK_TIMEOUT_SECONDS = 2.0
+from kvwatch.act.hook_command import COMMAND_TIMEOUT_SECONDS, HookCommand
+from kvwatch.hookserver.registry import EngineStream
+from kvwatch.hookwire.types import CancelOutcome
 
 
-class Park:
+class Park(HookCommand):
     """Parks go to the engine that announced the stream, on the engine's own socket."""
 
     name = "park"
 
-    def __init__(self, hooks: HookServer, tally: ActionTally) -> None:
-        self.hooks = hooks
-        self.tally = tally
+    async def send(self, request_id: str, reason: str, evidence: dict[str, Any]) -> CancelOutcome:
+        return await self.hooks.park(request_id, reason, evidence, COMMAND_TIMEOUT_SECONDS)
 
-    async def __call__(self, view: StreamView, attempt: Unfinished) -> dict[str, Any]:
-        engine = view.engine
-        assert engine is not None, "park needs an engine-announced stream"
-        outcome = await self.hooks.park(
-            engine.request_id,
-            attempt.reason,
-            attempt.evidence,
-            timeout_seconds=PARK_TIMEOUT_SECONDS,
-        )
-        self.tally.outcomes[self.name, attempt.reason, outcome.status] += 1
+    def took_effect(
+        self, engine: EngineStream, attempt: Unfinished, outcome: CancelOutcome
+    ) -> dict[str, Any]:
         if outcome.status == "parked":
             self.tally.parked(outcome.freed_blocks, outcome.freed_bytes)
-        return {
-            "status": outcome.status,
-            "freed_blocks": outcome.freed_blocks,
-            "freed_bytes": outcome.freed_bytes,
-            "detail": outcome.detail,
-        }
+        return {"freed_blocks": outcome.freed_blocks, "freed_bytes": outcome.freed_bytes}

@@ -5,7 +5,6 @@ bench/bench_time_to_free.py."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from kvwatch.loadgen.http import (
 )
 from tests.waiting import wait_until
 
-from .conftest import SERVER_PORT
+from .conftest import SERVER_PORT, Lab
 from .netlab import Link, NetLab
 from .readers import Reader
 
@@ -67,21 +66,25 @@ def parse_stream(raw: bytes | bytearray) -> Stream:
     return Stream("".join(text), tokens, done, finish)
 
 
-class EngineLab:
-    """A NetLab with the reference engine in its server namespace, its hook socket in the
-    test's directory (the agent on the host reaches it through the file system)."""
+class EngineLab(Lab):
+    """A Lab (tests/verdicts/conftest.py) whose server is the reference engine, with its hook
+    socket in the test's directory (the agent on the host reaches it through the file
+    system)."""
 
     def __init__(self, workdir: Path, link: Link, *engine_args: str) -> None:
-        self.net = NetLab(link)
+        net = NetLab(link)
         self.hook_socket = workdir / "engine.sock"
-        self.readers: list[Reader] = []
-        self.engine: subprocess.Popen[bytes] | None = None
         try:
-            self.engine = self.net.spawn_server(
-                "kvwatch.cli", "engine", "--host", self.net.server_ip, "--port",
-                str(SERVER_PORT), "--kvwatch-socket", str(self.hook_socket), *ENGINE_ARGS,
-                *engine_args, log=workdir / "engine.log",
+            engine = net.spawn_server(
+                "kvwatch.cli", "engine", "--host", net.server_ip, "--port", str(SERVER_PORT),
+                "--kvwatch-socket", str(self.hook_socket), *ENGINE_ARGS, *engine_args,
+                log=workdir / "engine.log",
             )  # fmt: skip
+        except BaseException:
+            net.close()
+            raise
+        super().__init__(net, engine)
+        try:
             wait_until(self._up, timeout_seconds=60, poll_seconds=0.2)
         except BaseException:
             self.close()
@@ -92,7 +95,7 @@ class EngineLab:
         return f"http://{self.net.server_ip}:{SERVER_PORT}"
 
     def _up(self) -> bool:
-        assert self.engine is not None and self.engine.poll() is None, "the engine exited"
+        assert self.server.poll() is None, "the engine exited"
         try:
             return self.get("/health").status_code == 200
         except httpx.HTTPError:
@@ -105,24 +108,11 @@ class EngineLab:
         )
 
     def request(self, reader: Reader, request_id: str) -> Reader:
+        """`reader` streams a completion of MAX_TOKENS under `request_id` to its end."""
         body = completion_body("completions", MODEL, PROMPT, MAX_TOKENS)
         request = build_request(Target.parse(self.url), "POST", "/v1/completions", body, request_id)
         reader.eof_ends = True
-        reader.connect(self.net.client_socket(), self.net.server_ip, SERVER_PORT, request)
-        self.readers.append(reader)
-        return reader
-
-    def close(self) -> None:
-        for reader in self.readers:
-            reader.close()
-        if self.engine is not None:
-            self.engine.terminate()
-            try:
-                self.engine.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.engine.kill()
-                self.engine.wait()
-        self.net.close()
+        return self.connect(reader, request)
 
 
 @pytest.fixture

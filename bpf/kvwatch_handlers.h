@@ -103,9 +103,10 @@ static __always_inline struct kv_sock_record *KV_FN(kv_record_create)(struct soc
 		KV_STAT_ADD(KV_STAT_RECORDS_FAILED);
 	return KV_SOCKETS_LOOKUP(&key);
 }
-static __always_inline bool KV_FN(kv_read_view)(struct sock *sk, struct kv_tcp_view *view)
+/* The send side of `sk`, read through `tp` (KV_TCP_SOCK(sk), which each handler gets once). */
+static __always_inline bool KV_FN(kv_read_view)(struct sock *sk, struct tcp_sock *tp,
+						struct kv_tcp_view *view)
 {
-	struct tcp_sock *tp = KV_TCP_SOCK(sk);
 	int wmem_queued = 0, sndbuf = 0;
 
 	if (!tp)
@@ -178,7 +179,7 @@ static __always_inline int KV_FN(kv_on_send)(struct sock *sk, long bytes, bool a
 	struct kv_sock_record *rec;
 	struct kv_tcp_view view;
 	__u64 key = (__u64)sk;
-	__u64 now;
+	__u64 now, thread;
 	__u32 tgid;
 	__u8 state = 0;
 	bool idle_before;
@@ -196,12 +197,13 @@ static __always_inline int KV_FN(kv_on_send)(struct sock *sk, long bytes, bool a
 	}
 	if (!rec)
 		return 0;
-	if (!KV_FN(kv_read_view)(sk, &view))
+	if (!KV_FN(kv_read_view)(sk, KV_TCP_SOCK(sk), &view))
 		return 0;
 	idle_before = view.write_seq == view.snd_una;
 	view.sndbuf_full = kv_sndbuf_full(view.wmem_queued + (at_entry && bytes > 0 ? bytes : 0),
 					  view.sndbuf);
-	tgid = bpf_get_current_pid_tgid() >> 32;
+	thread = bpf_get_current_pid_tgid();
+	tgid = thread >> 32;
 	kv_mark_writer(tgid);
 	if (rec->tgid != tgid) {
 		rec->tgid = tgid;
@@ -215,7 +217,7 @@ static __always_inline int KV_FN(kv_on_send)(struct sock *sk, long bytes, bool a
 		rec->send_bytes += bytes;
 	if (!rec->inode)
 		rec->inode = KV_FN(kv_read_inode)(sk);
-	kv_note_feeder(rec, now);
+	kv_note_feeder(rec, thread, now);
 	kv_commit(rec, &view, now);
 	if (at_entry && bytes > 0 && idle_before)
 		rec->progress_ns = now;
@@ -267,7 +269,7 @@ static __always_inline int KV_FN(kv_on_segment)(struct sock *sk, struct sk_buff 
 	if (!rec)
 		return 0;
 	has_ack = KV_FN(kv_read_segment)(tp, skb, &seg);
-	if (!KV_FN(kv_read_view)(sk, &view))
+	if (!KV_FN(kv_read_view)(sk, tp, &view))
 		return 0;
 	acked_new = has_ack && KV_FN(kv_apply_segment)(tp, &seg, &view);
 	view.sndbuf_full = !acked_new && kv_sndbuf_full(view.wmem_queued, view.sndbuf);

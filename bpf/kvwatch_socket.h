@@ -138,13 +138,12 @@ static __always_inline void kv_mark_writer(__u32 tgid)
 		*word |= bit;
 }
 /*
- * Relay pairing, on a write to `rec`'s socket: the current thread's newest read (if recent
- * and from another socket) confirms the feeder, or names a candidate; a candidate seen on two
- * writes in a row replaces the feeder (kvwatch.h, struct kv_sock_record).
+ * Relay pairing, on a write to `rec`'s socket by `thread` (pid_tgid): the thread's newest read
+ * (if recent and from another socket) confirms the feeder, or names a candidate; a candidate
+ * seen on two writes in a row replaces the feeder (kvwatch.h, struct kv_sock_record).
  */
-static __always_inline void kv_note_feeder(struct kv_sock_record *rec, __u64 now)
+static __always_inline void kv_note_feeder(struct kv_sock_record *rec, __u64 thread, __u64 now)
 {
-	__u64 thread = bpf_get_current_pid_tgid();
 	struct kv_thread_read *last = KV_READS_LOOKUP(&thread);
 
 	if (!last || last->sk == rec->sk || now - last->read_ns > KV_RELAY_WINDOW_NS)

@@ -15,11 +15,11 @@ without, each BPF handler's ns per event next to this kernel's floor, the table 
    the direct on/off ratio of its CPU per token and of its throughput (secondary figures).
 2. ns per event, from the kernel's BPF statistics (kernel.bpf_stats_enabled), for both record
    layouts (socket-local storage and the LRU hash), next to reference programs on the same
-   attach points and traffic (bench/bpf/calibrate.bpf.c): an empty program (the floor: the
-   cost of being attached and measured), one LRU lookup, one socket-storage lookup, and on
-   each attach point one lookup and one clock read together (the handler target: that + 50 ns).
-   Socket storage's handlers are measured even where the kernel refuses its iterator (the
-   programs load without it).
+   attach points and traffic, each group alone in turns (bench/bpf/handler_costs.py): an
+   empty program (the floor: the cost of being attached and measured), one clock read, one
+   LRU lookup, one socket-storage lookup, and on each attach point one lookup and one clock
+   read together (the handler target: that + 50 ns). Socket storage's handlers are measured
+   even where the kernel refuses its iterator (the programs load without it).
 3. One read of the whole table (and of the samples made from it) at 10,000 idle sockets, in
    each layout this kernel lets the agent read.
 4. The agent's footprint at 0, 1,000 and 10,000 sockets (bench/bench_footprint.py).
@@ -40,20 +40,16 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from bench import bench_footprint, collector_cpu
+from bench.bpf.handler_costs import FLOOR, LOOKUP_AND_CLOCK, handler_costs
 from bench.common import RESULTS, write_result
 from bench.token_load import TokenLoad, TokenPump
 from kvwatch.collect.bpf.collector import BpfCollector
 from kvwatch.collect.bpf.layout import KvSockRecord
-from kvwatch.collect.bpf.libbpf import check_ptr, check_rc, libbpf
-from kvwatch.collect.bpf.loader import STORAGES, BpfPrograms, CollectorSettings
+from kvwatch.collect.bpf.loader import STORAGES, CollectorSettings
 from kvwatch.collect.bpf.records import SampleCache
-from kvwatch.collect.bpf.runstats import ProgramRunStats, program_run_stats, set_stats_enabled
 from kvwatch.errors import BpfError
 
 STREAM_COUNTS = (64, 1_000)
@@ -61,15 +57,8 @@ STREAM_COUNTS = (64, 1_000)
 # this 2-core machine can serve, so batching (and with it the CPU a token costs) is steady.
 TOKENS_PER_SECOND = 16_000
 WARM_UP_SECONDS = 2.0
-STATS_SECONDS = 4.0
 SNAPSHOT_SOCKETS = 10_000
 SNAPSHOT_READS = 15
-CALIBRATE_OBJECT = Path(__file__).parent / "bpf" / "calibrate.bpf.o"
-# The floor each kvwatch attach point is compared with: an empty program on the same
-# tracepoint.
-FLOOR = {"send": "calibrate_empty_send", "ack": "calibrate_empty", "read": "calibrate_empty_read"}
-# The least a handler of each layout can do on an attach point: its lookup and a clock read.
-LOOKUP_AND_CLOCK = {"sk_storage": "calibrate_storage_clock", "lru_hash": "calibrate_lookup_clock"}
 UNFILTERED_POINTS = {"read"}
 RUNS = 3
 TARGETS = {
@@ -77,101 +66,6 @@ TARGETS = {
     "cpu_overhead_percent_max": 1.0,
     "snapshot_ms_max": 20.0,
 }
-
-
-@contextmanager
-def calibration_programs() -> Iterator[dict[str, int]]:
-    """The reference programs, loaded and attached: name -> program fd."""
-    lib = libbpf()
-    handle = check_ptr(
-        lib.bpf_object__open_file(str(CALIBRATE_OBJECT).encode(), None),
-        f"open {CALIBRATE_OBJECT} (run `make -C bench/bpf`)",
-    )
-    links: list[int] = []
-    try:
-        check_rc(lib.bpf_object__load(handle), "load the calibration programs")
-        programs: dict[str, int] = {}
-        program = lib.bpf_object__next_program(handle, None)
-        while program:
-            name = lib.bpf_program__name(program).decode()
-            links.append(check_ptr(lib.bpf_program__attach(program), f"attach {name}"))
-            programs[name] = lib.bpf_program__fd(program)
-            program = lib.bpf_object__next_program(handle, program)
-        yield programs
-    finally:
-        for link in links:
-            lib.bpf_link__destroy(link)
-        lib.bpf_object__close(handle)
-
-
-def costs_window(load: TokenLoad, order: tuple[str, ...]) -> tuple[dict[str, Any], int]:
-    """Run counts and times over STATS_SECONDS of both record layouts' programs, attached in
-    `order` (the first program on an attach point finds the socket's cache lines cold), then
-    the reference programs; and the tokens written meanwhile."""
-    loaded = {
-        storage: BpfPrograms(CollectorSettings(ports=(load.port,), storage=storage), readable=False)
-        for storage in order
-    }
-    previous = set_stats_enabled(True)
-    try:
-        with calibration_programs() as reference:
-            fds = {
-                f"{storage}.{point}": fd
-                for storage, programs in loaded.items()
-                for point, fd in programs.program_fds().items()
-            }
-            fds.update(reference)
-            before = {name: program_run_stats(fd) for name, fd in fds.items()}
-            start = load.read()
-            time.sleep(STATS_SECONDS)
-            end = load.read()
-            after = {name: program_run_stats(fd) for name, fd in fds.items()}
-    finally:
-        set_stats_enabled(previous)
-        for programs in loaded.values():
-            programs.close()
-    deltas = {
-        name: ProgramRunStats(
-            after[name].run_count - before[name].run_count,
-            after[name].run_time_ns - before[name].run_time_ns,
-        )
-        for name in fds
-    }
-    return deltas, end.tokens - start.tokens
-
-
-def handler_costs(load: TokenLoad) -> dict[str, Any]:
-    """ns per event and events per token of each attach point in both record layouts,
-    attached side by side on the same traffic (two windows, each layout first once), and of
-    the reference programs, which run last and so find the socket warm."""
-    totals: dict[str, ProgramRunStats] = {}
-    tokens = 0
-    for order in (STORAGES, STORAGES[::-1]):
-        deltas, written = costs_window(load, order)
-        tokens += written
-        for name, delta in deltas.items():
-            seen = totals.get(name, ProgramRunStats(0, 0))
-            totals[name] = ProgramRunStats(
-                seen.run_count + delta.run_count, seen.run_time_ns + delta.run_time_ns
-            )
-
-    def cost(stats: ProgramRunStats) -> dict[str, float]:
-        return {
-            "ns_per_event": round(stats.average_ns, 1),
-            "events_per_token": round(stats.run_count / tokens, 3) if tokens else 0.0,
-        }
-
-    reference = {name: cost(s) for name, s in totals.items() if name.startswith("calibrate")}
-    result: dict[str, Any] = {}
-    for storage in STORAGES:
-        points = {
-            name.split(".", 1)[1]: cost(s)
-            for name, s in totals.items()
-            if name.startswith(f"{storage}.")
-        }
-        ns_per_token = sum(points[h]["ns_per_event"] * points[h]["events_per_token"] for h in FLOOR)
-        result[storage] = {**points, **reference, "bpf_ns_per_token": round(ns_per_token, 1)}
-    return result
 
 
 def load_average() -> float:

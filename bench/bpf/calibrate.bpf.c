@@ -2,7 +2,7 @@
 /*
  * Reference programs for bench_collector: what the cheapest possible handlers cost on the
  * machine under test, measured the same way as kvwatch's (kernel.bpf_stats_enabled), on the
- * same tracepoint and traffic. Never shipped.
+ * same tracepoint and traffic, each group alone (handler_costs.py). Never shipped.
  */
 #include <linux/types.h>
 #include <linux/bpf.h>
@@ -43,25 +43,6 @@ int BPF_PROG(calibrate_lookup, void *sk)
 
 	if (!value)
 		bpf_map_update_elem(&calibrate_map, &key, &zero, BPF_NOEXIST);
-	return 0;
-}
-
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 16384);
-	__type(key, __u64);
-	__type(value, __u64);
-} calibrate_hash SEC(".maps");
-
-/* The same lookup in a plain hash map: what the LRU bookkeeping adds. */
-SEC("tp_btf/tcp_probe")
-int BPF_PROG(calibrate_hash_lookup, void *sk)
-{
-	__u64 key = (__u64)sk, zero = 0;
-	__u64 *value = bpf_map_lookup_elem(&calibrate_hash, &key);
-
-	if (!value)
-		bpf_map_update_elem(&calibrate_hash, &key, &zero, BPF_NOEXIST);
 	return 0;
 }
 

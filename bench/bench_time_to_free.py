@@ -184,7 +184,7 @@ def plot(result: dict[str, Any]) -> None:
         (axes[1], "pressure_to_free_seconds", "from the start of back-pressure"),
     ):
         data = [[v for row in result["repetitions"][n] for v in row[key]] for n in names]
-        axis.boxplot(data, labels=[n.replace("_park_", "\npark ") for n in names])
+        axis.boxplot(data, tick_labels=[n.replace("_park_", "\npark ") for n in names])
         axis.axhline(
             result["park_seconds"], color="tab:green", linestyle="--", label="park_seconds"
         )

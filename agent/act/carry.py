@@ -67,7 +67,7 @@ class Executor:
             return None
         decision = self.decider.decide_park(view)
         if decision.reason in NOT_NEWS:
-            return None
+            return retry_after(decision)
         ref, evidence = self.recorder.decision(view, decision, episode, None)
         if decision.verdict == "skip":
             return retry_after(decision)

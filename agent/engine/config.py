@@ -17,6 +17,10 @@ DEFAULT_CPU_KV_BLOCKS = 2048
 DEFAULT_SNDBUF_BYTES = 64 * 1024
 
 
+# Host memory parked KV may take, in KV pools, unless the engine is told otherwise.
+PARK_HOST_POOLS = 4
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The shape of the decoder-only transformer. Weights are random, drawn from the seed."""
@@ -51,7 +55,9 @@ class EngineConfig:
 
     `park` lets the kvwatch agent park a request whose client is not reading (its KV goes to
     host memory and its blocks back to the pool, until the client reads again). Parked KV
-    takes at most `park_host_kv_bytes` of host memory (None: as much as the KV pool holds);
+    takes at most `park_host_kv_bytes` of host memory (None: PARK_HOST_POOLS times what the KV
+    pool holds: parking exists to let a pool serve more than it holds, and host memory is
+    many times a GPU's);
     a park beyond that is declined. A resumed request may queue up to the rest of its
     generation for its client, drawn from `park_resume_buffer_tokens` shared by the engine,
     so that it runs to its end instead of being parked again (0: resumed requests keep the

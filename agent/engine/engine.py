@@ -11,7 +11,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from kvwatch.engine.attention import PagedKVStorage, bytes_per_block
-from kvwatch.engine.config import EngineConfig
+from kvwatch.engine.config import PARK_HOST_POOLS, EngineConfig
 from kvwatch.engine.device import DeviceFence, kv_pool_blocks, resolve_device, resolve_dtype
 from kvwatch.engine.kv_cache import KVCacheManager
 from kvwatch.engine.metrics import EngineMetrics, EngineStats, RequestSnapshot
@@ -99,7 +99,7 @@ class Engine:
         self._parking = ParkingLot(
             storage,
             self._scheduler,
-            config.park_host_kv_bytes or self.description.kv_bytes_total,
+            config.park_host_kv_bytes or PARK_HOST_POOLS * self.description.kv_bytes_total,
             config.park_resume_buffer_tokens,
         )
         runner = ModelRunner(model, storage, self.kv, self.tokenizer.output_token_ids(), device)

@@ -20,6 +20,7 @@ TRANSIENT_REASONS = {
     "owner_unknown",
     "unconfirmed",
     "relayed",  # the client socket that decides for it may go, leaving it to be judged alone
+    "no_kv_held",  # a park's: the request gets its blocks once admitted
 }
 
 

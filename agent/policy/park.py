@@ -10,9 +10,10 @@ parked: a park frees the KV at once and spends no compute on a client that may b
 where a detach frees it only when the generation ends. `decide_park` checks, in this order:
 1. parking is on (`policy.park`; "park_off") and the stream can be parked or detached: an
    engine that says it can announced it on this very socket (behind a proxy: the engine's
-   own socket, whose back-pressure is what pins the KV), it is not parked or detached
-   already and holds KV ("not_parkable"). Neither skip is news: the caller does not write
-   it down;
+   own socket, whose back-pressure is what pins the KV) and it is not parked or detached
+   already ("not_parkable"); it holds KV now ("no_kv_held": looked at again, as a request
+   waiting for admission gets its blocks). None of these skips is news: the caller does not
+   write it down;
 2. every stall condition has held for `park_seconds` ("not_yet");
 3. the owner is known and the deny and allow rules pass, as for any action
    (kvwatch.policy.rules, checks 2-3);
@@ -28,7 +29,8 @@ from kvwatch.config import PolicyConfig
 from kvwatch.policy.rules import Candidate, Decision, Verdict, owner_refusal, size_refusal, skip
 
 # Skips that say only that parking does not apply to the stream: never news for the audit.
-NOT_NEWS = {"park_off", "not_parkable", "not_yet"}
+# "no_kv_held" can change (a request waiting for admission gets its blocks): looked at again.
+NOT_NEWS = {"park_off", "not_parkable", "not_yet", "no_kv_held"}
 _MIB = 1 << 20
 
 
@@ -48,8 +50,6 @@ def _not_parkable(candidate: Candidate) -> str | None:
         return "its engine can neither park nor detach (its hello's features)"
     if candidate.parked or candidate.detached:
         return "already parked" if candidate.parked else "already detached"
-    if not candidate.kv_bytes:
-        return "it holds no KV"
     return None
 
 
@@ -60,6 +60,8 @@ def decide_park(candidate: Candidate, config: PolicyConfig) -> Decision:
     not_parkable = _not_parkable(candidate)
     if not_parkable is not None:
         return skip("not_parkable", not_parkable)
+    if not candidate.kv_bytes:
+        return skip("no_kv_held", "it holds no KV now (waiting for admission, or preempted)")
     if candidate.stalled_seconds < config.park_seconds:
         return skip(
             "not_yet",

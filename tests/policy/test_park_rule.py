@@ -39,7 +39,7 @@ def test_back_pressure_for_park_seconds_parks_without_proof() -> None:
         ({"stalled_seconds": 1.0}, "not_yet"),
         ({"can_park": False}, "not_parkable"),
         ({"parked": True}, "not_parkable"),
-        ({"kv_bytes": 0}, "not_parkable"),
+        ({"kv_bytes": 0}, "no_kv_held"),
         ({"request_id": None, "has_engine_hook": False, "kv_bytes": None}, "not_parkable"),
         ({"relay_status": "joined"}, "not_parkable"),  # a proxy's client socket
         ({"owner_pid": 0}, "owner_unknown"),
@@ -57,7 +57,7 @@ def test_each_refusal(changes: dict[str, Any], reason: str) -> None:
 def test_park_off_and_inapplicable_streams_are_not_news() -> None:
     off = dataclasses.replace(ENFORCE, park="off")
     assert decide_park(backed_up(), off).reason == "park_off"
-    assert {"park_off", "not_parkable", "not_yet"} == NOT_NEWS
+    assert {"park_off", "not_parkable", "not_yet", "no_kv_held"} == NOT_NEWS
 
 
 def test_the_engines_own_socket_behind_a_proxy_is_parked() -> None:

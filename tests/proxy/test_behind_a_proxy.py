@@ -348,3 +348,45 @@ def test_slow_readers_a_proxy_closed_on_while_its_kernel_drains_are_never_cut(
         assert finished_cleanly(reader), reader
     clients = {reader.local for reader in readers}
     assert not [d for d in stack.audit_entries("decision") if d["remote"] in clients]
+
+
+def test_behind_haproxy_the_engines_own_socket_is_parked_and_a_live_reader_resumes(
+    bounded_haproxy: tuple[Stack, Proxy],
+) -> None:
+    """Issue 23: behind a proxy the engine cannot see its client, but its own socket backs up
+    once the proxy's buffers are full, and that back-pressure is what pins the KV: the agent
+    parks the engine's own socket (`relayed` to the client socket at the proxy) within
+    park_seconds, and the engine resumes when the proxy reads again. A client that stopped
+    reading is parked; one that reads 5.5 KB/s, above the guarantee, may be parked and
+    resumed, gets every byte, and is never cut."""
+    stack, proxy = bounded_haproxy
+    start_agent(stack, proxy, "--park", "on", "--park-seconds", "2")
+    held = through(proxy, client("held", "64k", GUARANTEE, read_seconds=0), LONG_TOKENS)
+    slow = through(proxy, client("slow", "64k", SLOW_READER), LONG_TOKENS)
+    engine_side = f"127.0.0.1:{stack.engine_port}"
+    try:
+        parked = wait_for(
+            lambda: next(
+                (o for o in stack.audit_entries("outcome")
+                 if o["request_id"] == "cmpl-held" and o["result"]["status"] == "parked"),
+                None,
+            ),
+            30,
+            lambda: f"the held request parked; decisions: {decisions_said(stack)}",
+        )  # fmt: skip
+        wait_for(lambda: slow.ended_ns or slow.reset_ns, 90, "the slow client's end")
+    finally:
+        for reader in (held, slow):
+            reader.close()
+    assert parked["local"] == engine_side, parked  # the engine's own socket
+    decision = next(
+        d for d in stack.audit_entries("decision") if d["decision_id"] == parked["decision_id"]
+    )
+    assert decision["evidence"]["relay"]["status"] == "relayed", decision["evidence"]["relay"]
+    assert decision["evidence"]["stalled_seconds"] < 3.0
+    cuts = [
+        o for o in stack.audit_entries("outcome")
+        if o["request_id"] == "cmpl-slow" and o["action"] in ("cancel", "reset")
+    ]  # fmt: skip
+    assert cuts == [], cuts
+    assert finished_cleanly(slow), slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.waiting import wait_until
 
@@ -45,10 +46,15 @@ def reference_stream(lab: EngineLab) -> Stream:
     return stream
 
 
+@pytest.mark.parametrize(
+    "link",
+    [Link(), Link(delay_ms=25, loss_percent=1.0)],
+    ids=lambda link: link.describe().replace(" ", "-").replace(",", ""),
+)
 def test_stopped_reader_parked_in_seconds_cut_after_proof_live_readers_whole(
-    agent: Agent, engine_lab: Any
+    agent: Agent, engine_lab: Any, link: Link
 ) -> None:
-    lab: EngineLab = engine_lab(Link())  # a veth pair: MTU 1500, MSS 1448
+    lab: EngineLab = engine_lab(link)  # MTU 1500, MSS 1448
     start_agent(agent, lab)
     expected = reference_stream(lab)
     stopped = lab.request(Reader("stopped", "default", 0, read_seconds=0), "stopped")

@@ -156,6 +156,7 @@ def _gpu_text(header: Header) -> str:
 
 def header_lines(header: Header, rows: list[Row], shown: int) -> list[Text]:
     stalled = sum(1 for row in rows if row.get("state") == StreamState.STALLED.value)
+    parked = sum(1 for row in rows if row.get("parked"))
     kv = header.stalled_kv_bytes
     cancels = header.cancels_per_minute
     points = " ".join(
@@ -167,8 +168,8 @@ def header_lines(header: Header, rows: list[Row], shown: int) -> list[Text]:
         Text.assemble(
             f"streams {len(rows)} · ",
             (f"stalled {stalled}", "bold red" if stalled else ""),
-            f" holding KV {'unknown' if kv is None else human_bytes(kv)} · shown {shown} · "
-            f"cancels/min {'-' if cancels is None else f'{cancels:.1f}'}",
+            f" holding KV {'unknown' if kv is None else human_bytes(kv)} · parked {parked} · "
+            f"shown {shown} · cancels/min {'-' if cancels is None else f'{cancels:.1f}'}",
         ),
         Text(_gpu_text(header)),
         Text(f"attach points {points or 'none (sock_diag polling)'}"),

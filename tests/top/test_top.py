@@ -170,6 +170,15 @@ def test_a_stream_whose_action_failed_on_every_try_says_so() -> None:
     assert "action failed" not in row_line(text, "192.168.1.7:50001")
 
 
+def test_a_parked_stream_says_so_and_the_header_counts_it() -> None:
+    header = Header("daemon x", "enforce", {"send": "fentry"}, (), 0, 0.0)
+    rows = [stream_row("zero_window", 50000, parked=True), stream_row("zero_window", 50001)]
+    text = render(Frame(header, rows), RowFilter(), 160)
+    assert "zero_window (parked)" in row_line(text, "192.168.1.7:50000")
+    assert "parked" not in row_line(text, "192.168.1.7:50001")
+    assert "parked 1" in text
+
+
 def test_filters_and_sorts() -> None:
     rows = [
         stream_row("healthy", 1, pid=1, kv_bytes=1),

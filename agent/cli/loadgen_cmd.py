@@ -90,6 +90,14 @@ class _Progress:
     help="SO_RCVBUF of slow and stalled clients, set before connect (0: default).",
 )
 @click.option("--max-tokens", type=click.IntRange(1, 1 << 20), default=128, show_default=True)
+@click.option(
+    "--long-max-tokens",
+    type=click.IntRange(1, 1 << 20),
+    default=None,
+    help="max_tokens of slow and stalled clients [default: --max-tokens]. With the kernel's "
+    "default receive buffers (--rcvbuf-bytes 0) only an answer that outgrows them (~1,500 "
+    "tokens of SSE) holds the server: the answer a client that stops reading pins.",
+)
 @click.option("--prompt", default=LoadPlan.prompt, show_default=True)
 @click.option(
     "--endpoint",
@@ -115,6 +123,7 @@ def command(
     slow_bytes_per_second: int,
     rcvbuf_bytes: int,
     max_tokens: int,
+    long_max_tokens: int | None,
     prompt: str,
     endpoint: str,
     model: str | None,
@@ -130,6 +139,7 @@ def command(
     \b
     Example:
       kvwatch loadgen --url http://127.0.0.1:8000 --healthy 8 --stalled 2 --duration 30
+      kvwatch loadgen --stalled 2 --rcvbuf-bytes 0 --long-max-tokens 1500
     """
     plan = LoadPlan(
         url=url,
@@ -141,6 +151,7 @@ def command(
         model=model,
         prompt=prompt,
         max_tokens=max_tokens,
+        long_max_tokens=long_max_tokens,
         slow_bytes_per_second=slow_bytes_per_second,
         rcvbuf_bytes=rcvbuf_bytes,
     )

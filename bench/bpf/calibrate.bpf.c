@@ -9,7 +9,17 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 
-struct sock;
+struct sock_common {
+	__u16 skc_num;
+} __attribute__((preserve_access_index));
+
+struct sock {
+	struct sock_common __sk_common;
+} __attribute__((preserve_access_index));
+
+/* The port kvwatch's programs watch in the same run (set before load): the lookup+clock
+ * references do their work only for its sockets and leave others at once, as a handler does. */
+const volatile __u16 calibrate_port = 0;
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -75,22 +85,27 @@ int BPF_PROG(calibrate_empty_read, void *sk)
 }
 
 /*
- * The least a kvwatch handler can do on each attach point: find the socket's record and
- * date the event (one lookup, one clock read). The handler target is this plus 50 ns, on
- * the same tracepoint in the same run: socket-local storage for that layout's handlers, the
- * LRU hash for the other's.
+ * The least a kvwatch handler can do on each attach point: leave other ports' sockets at
+ * once, and for a watched one find its record and date the event (one lookup, one clock
+ * read). The handler target is this plus 50 ns, on the same tracepoint in the same run:
+ * socket-local storage for that layout's handlers, the LRU hash for the other's.
  */
 static __always_inline int calibrate_storage_and_clock(struct sock *sk)
 {
+	if (sk->__sk_common.skc_num != calibrate_port)
+		return 0;
 	return bpf_sk_storage_get(&calibrate_storage_map, sk, 0, BPF_SK_STORAGE_GET_F_CREATE) == 0 ||
 	       bpf_ktime_get_ns() == 0;
 }
 
-static __always_inline int calibrate_lookup_and_clock(void *sk)
+static __always_inline int calibrate_lookup_and_clock(struct sock *sk)
 {
 	__u64 key = (__u64)sk, zero = 0;
-	__u64 *value = bpf_map_lookup_elem(&calibrate_map, &key);
+	__u64 *value;
 
+	if (sk->__sk_common.skc_num != calibrate_port)
+		return 0;
+	value = bpf_map_lookup_elem(&calibrate_map, &key);
 	if (!value)
 		bpf_map_update_elem(&calibrate_map, &key, &zero, BPF_NOEXIST);
 	return bpf_ktime_get_ns() == 0;
@@ -115,19 +130,19 @@ int BPF_PROG(calibrate_storage_clock_read, struct sock *sk)
 }
 
 SEC("tp_btf/sock_send_length")
-int BPF_PROG(calibrate_lookup_clock_send, void *sk)
+int BPF_PROG(calibrate_lookup_clock_send, struct sock *sk)
 {
 	return calibrate_lookup_and_clock(sk);
 }
 
 SEC("tp_btf/tcp_probe")
-int BPF_PROG(calibrate_lookup_clock_ack, void *sk)
+int BPF_PROG(calibrate_lookup_clock_ack, struct sock *sk)
 {
 	return calibrate_lookup_and_clock(sk);
 }
 
 SEC("tp_btf/tcp_rcv_space_adjust")
-int BPF_PROG(calibrate_lookup_clock_read, void *sk)
+int BPF_PROG(calibrate_lookup_clock_read, struct sock *sk)
 {
 	return calibrate_lookup_and_clock(sk);
 }

@@ -304,17 +304,20 @@ def plot(result: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
     row = result["summary"]["streams"][0]
     costs = row["handlers_ns_per_event"]
     bars: dict[str, dict[str, float]] = {}
+    short = {"sk_storage": "sk", "lru_hash": "lru"}
     for point in FLOOR:
         for storage in STORAGES:
-            bars[f"{point} ({storage})"] = costs[f"{storage}.{point}"]["handler"]
-            bars[f"lookup+clock ({storage})"] = costs[f"{storage}.{point}"]["reference"]
-        bars[f"floor: empty {point}"] = costs[f"sk_storage.{point}"]["floor"]
+            bars[f"{point} {short[storage]}"] = costs[f"{storage}.{point}"]["handler"]
+            bars[f"{point} {short[storage]}: lookup+clock"] = costs[f"{storage}.{point}"][
+                "reference"
+            ]
+        bars[f"{point}: empty"] = costs[f"sk_storage.{point}"]["floor"]
     names = list(bars)
-    colours = ["grey" if name.startswith(("floor", "lookup")) else "tab:orange" for name in names]
+    colours = ["grey" if ": " in name else "tab:orange" for name in names]
     left.bar(
         names,
         [bar["median"] for bar in bars.values()],
@@ -325,9 +328,9 @@ def plot(result: dict[str, Any]) -> None:
         color=colours,
         capsize=3,
     )
-    left.tick_params(axis="x", labelrotation=60)
-    left.set_ylabel("ns per event (median and range over the runs)")
-    left.set_title(f"BPF cost per event, {row['streams']} streams")
+    left.tick_params(axis="x", labelrotation=90)
+    left.set_ylabel("ns per event (median, range over runs)")
+    left.set_title(f"BPF ns per event, {row['streams']} streams (grey: references)")
     for index, view in enumerate(result["summary"]["streams"]):
         total = view["overhead_percent_total"]
         right.bar(

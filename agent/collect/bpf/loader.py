@@ -207,7 +207,7 @@ class _OpenObject:
         send_mode: str,
         tracepoint_mode: str,
         storage: str,
-        readable: bool = True,
+        readable: bool,
     ) -> None:
         self.lib = libbpf()
         self.handle = check_ptr(

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
  * Structs shared by the BPF programs and kvwatch's Python mirror (kvwatch/collect/bpf/layout.py).
- * Fixed-width types, largest first, no hidden padding: tests check the Python mirror against
+ * Fixed-width types, each aligned to its size, no hidden padding: tests check the Python mirror against
  * the BTF of the compiled object. Change both sides together.
  */
 #ifndef KVWATCH_H
@@ -58,28 +58,41 @@ struct kv_endpoints {
  * re-pairs a socket.
  */
 struct kv_sock_record {
+	/* What the judge reads: a change here makes the agent build the socket's sample anew. */
 	__u64 sk;			/* kernel address of struct sock (the map key) */
 	__u64 first_seen_ns;		/* CLOCK_MONOTONIC, like every *_ns field */
 	__u64 first_send_ns;		/* the first write seen on the socket */
 	__u64 first_acked_ns;		/* the first ACK of data: the client got its first byte */
-	__u64 last_send_ns;
-	__u64 last_ack_ns;
-	__u64 progress_ns;		/* ACK point moved, or data became pending on an idle socket */
 	__u64 zero_window_since_ns;
 	__u64 zero_window_total_ns;	/* closed episodes only */
 	__u64 last_zero_window_end_ns;
 	__u64 sndbuf_full_since_ns;
 	__u64 sndbuf_full_total_ns;	/* closed episodes only */
-	__u64 send_bytes;
-	__u64 send_calls;
-	__u64 acks;
-	__u64 bytes_acked;		/* cumulative: the progress counter sock_diag also reports */
 	__u64 inode;			/* socket inode: joins /proc/<pid>/fd and sock_diag */
 	__u64 feeder_sk;		/* the socket whose data this one relays (0: none yet) */
 	__u64 feeder_candidate_sk;	/* the newest other socket read before a write here */
 	__u64 fed_ns;			/* the newest write that followed a read from the feeder */
+	struct kv_endpoints feeder;	/* feeder_sk's addresses, as the feeder sees them (8-aligned: copied whole) */
 	__u32 netns;			/* network namespace inode */
 	__u32 tgid;			/* last process that sent on it; 0 until one does */
+	__u32 zero_window_probes;
+	__u32 zero_window_episodes;
+	__u32 sndbuf_full_episodes;
+	__u32 feeds;			/* writes after a read from the feeder, since it became one */
+	__u32 feeder_misses;		/* writes after a read from another socket, since then */
+	__u8 saddr[16];			/* IPv4 in the first 4 bytes */
+	__u8 daddr[16];
+	__u16 sport;			/* host byte order */
+	__u16 dport;			/* host byte order */
+	__u16 family;
+	__u8 tcp_state;
+	__u8 probe_backoff;		/* icsk_backoff: probes (or RTOs) since the flow last moved */
+	char comm[KV_COMM_LEN];
+	/*
+	 * The flow: what every write and ACK of a healthy stream moves. Last and together, so
+	 * the agent tells a flow-only change from one the judge reads by one range of bytes
+	 * (kvwatch/collect/bpf/records.py, FLOW_FIELDS).
+	 */
 	__u32 snd_una;
 	__u32 snd_nxt;
 	__u32 write_seq;
@@ -91,20 +104,13 @@ struct kv_sock_record {
 	__u32 wmem_queued;
 	__u32 sndbuf;
 	__u32 retransmits;
-	__u32 zero_window_probes;
-	__u32 zero_window_episodes;
-	__u32 sndbuf_full_episodes;
-	__u32 feeds;			/* writes after a read from the feeder, since it became one */
-	__u32 feeder_misses;		/* writes after a read from another socket, since then */
-	__u8 saddr[16];			/* IPv4 in the first 4 bytes */
-	__u8 daddr[16];
-	struct kv_endpoints feeder;	/* feeder_sk's addresses, as the feeder sees them */
-	__u16 sport;			/* host byte order */
-	__u16 dport;			/* host byte order */
-	__u16 family;
-	__u8 tcp_state;
-	__u8 probe_backoff;		/* icsk_backoff: probes (or RTOs) since the flow last moved */
-	char comm[KV_COMM_LEN];
+	__u64 last_send_ns;
+	__u64 last_ack_ns;
+	__u64 progress_ns;		/* ACK point moved, or data became pending on an idle socket */
+	__u64 send_bytes;
+	__u64 send_calls;
+	__u64 acks;
+	__u64 bytes_acked;		/* cumulative: the progress counter sock_diag also reports */
 };
 
 struct kv_event {

@@ -9,9 +9,13 @@ hashes, not the bytes: a large table costs little beyond its samples). A read of
 table makes a new sample only for a record that changed, and not even then while the change
 is only the flow of a healthy, idle socket (`FLOW_FIELDS` moved; no back-pressure, nothing
 pending before or after): such a socket keeps its sample for up to `FLOW_REFRESH_NS`, so a
-stream that is between tokens at each read costs a hash, not a conversion. Everything the
-judge reads of a socket under back-pressure, with data pending, or whose state, owner,
+stream that is between tokens at each read costs two hashes, not a conversion. Everything
+the judge reads of a socket under back-pressure, with data pending, or whose state, owner,
 episodes or feeder changed is always as of this read.
+
+The flow is the record's tail (kvwatch.h lays it out so; `judged_end` checks it at import),
+so the part the judge reads is one range of bytes: telling a flow-only change costs one
+hash of that range, with no unpacking.
 
 The hashes are Python's (SipHash, 64 bits, keyed per process): two different records hash
 alike about once in 2^64 comparisons, which would hold a sample back until its record's
@@ -112,11 +116,27 @@ def named_tuple(name: str, fields: list[str]) -> Any:
 RECORD_FORMAT, RECORD_FIELDS = struct_format(KvSockRecord)
 RECORD = struct.Struct("<" + RECORD_FORMAT)
 RecordValues = named_tuple("RecordValues", RECORD_FIELDS)
-JUDGED = struct.Struct("<" + struct_format(KvSockRecord, frozenset(RECORD_FIELDS) - FLOW_FIELDS)[0])
 UNSENT = struct.Struct("<" + struct_format(KvSockRecord, frozenset({"snd_una", "write_seq"}))[0])
 TCP_STATE_OFFSET = KvSockRecord.tcp_state.offset
 # Past this many, the endpoint cache starts over.
 CACHED_ENDPOINTS_MAX = 4096
+
+
+def judged_end(structure: type[ctypes.Structure], flow: frozenset[str]) -> int:
+    """Where the flow starts: `flow` must be exactly the structure's last members (raises
+    ValueError when it is not, naming what breaks the order)."""
+    names = [name for name, *_ in structure._fields_]
+    tail = names[len(names) - len(flow) :]
+    if set(tail) != flow:
+        raise ValueError(
+            f"{structure.__name__}: the flow fields must come last, together; "
+            f"out of place: {sorted(flow.symmetric_difference(tail))}"
+        )
+    end: int = getattr(structure, tail[0]).offset
+    return end
+
+
+JUDGED_END = judged_end(KvSockRecord, FLOW_FIELDS)
 
 
 def seq_distance(later: int, earlier: int) -> int:
@@ -215,12 +235,14 @@ def sample_from_raw(
 @dataclass(frozen=True, slots=True)
 class CachedSample:
     """A socket's sample and what its newest record looked like: the hash of all of it and
-    of its judged part (everything but FLOW_FIELDS); `lagging` while the sample lags
-    flow-only changes of that record (see the module's docstring)."""
+    of its judged part (the bytes before JUDGED_END); whether the sample was idle and healthy;
+    `lagging` while the sample lags flow-only changes of that record (see the module's
+    docstring)."""
 
     record_hash: int
     judged_hash: int
     sample: SocketSample
+    idle: bool
     lagging: bool = False
 
 
@@ -243,38 +265,41 @@ class SampleCache:
         size = RECORD.size
         # Each record starts with its socket's address: every key in one strided view.
         keys = view.cast("Q")[:: size // 8].tolist()
+        previous = self._cached
         cached: dict[int, CachedSample] = {}
         for index, key in enumerate(keys):
             offset = index * size
             if records[offset + TCP_STATE_OFFSET] == TCP_CLOSE:
                 continue
-            cached[key] = self._updated(self._cached.get(key), view[offset : offset + size], now_ns)
+            cached[key] = self._updated(previous.get(key), view[offset : offset + size], now_ns)
         self._cached = cached
         return [entry.sample for entry in cached.values()]
 
     def _updated(self, previous: CachedSample | None, raw: memoryview, now_ns: int) -> CachedSample:
         record_hash = hash(raw)
+        fresh = previous is not None and now_ns - previous.sample.observed_ns < FLOW_REFRESH_NS
         if previous is not None and previous.record_hash == record_hash:
-            if not previous.lagging or now_ns - previous.sample.observed_ns < FLOW_REFRESH_NS:
+            if fresh or not previous.lagging:
                 return previous
             return self._made(raw, record_hash, previous.judged_hash, now_ns)
-        judged_hash = hash(JUDGED.unpack(raw))
-        if previous is not None and self._flow_only(previous, raw, judged_hash, now_ns):
-            return CachedSample(record_hash, judged_hash, previous.sample, lagging=True)
+        judged_hash = hash(raw[:JUDGED_END])
+        if (
+            fresh
+            and previous is not None
+            and previous.idle
+            and judged_hash == previous.judged_hash
+            and self._nothing_pending(raw)
+        ):
+            return CachedSample(record_hash, judged_hash, previous.sample, idle=True, lagging=True)
         return self._made(raw, record_hash, judged_hash, now_ns)
 
     def _made(
         self, raw: memoryview, record_hash: int, judged_hash: int, now_ns: int
     ) -> CachedSample:
-        return CachedSample(record_hash, judged_hash, sample_from_raw(raw, now_ns, self._endpoints))
+        sample = sample_from_raw(raw, now_ns, self._endpoints)
+        return CachedSample(record_hash, judged_hash, sample, idle_and_healthy(sample))
 
     @staticmethod
-    def _flow_only(previous: CachedSample, raw: memoryview, judged_hash: int, now_ns: int) -> bool:
-        """The record moved only in its flow counters, within FLOW_REFRESH_NS of its sample,
-        and the socket was idle and healthy before and is idle after."""
-        if now_ns - previous.sample.observed_ns >= FLOW_REFRESH_NS:
-            return False
-        if judged_hash != previous.judged_hash or not idle_and_healthy(previous.sample):
-            return False
+    def _nothing_pending(raw: memoryview) -> bool:
         snd_una, write_seq = UNSENT.unpack(raw)
         return bool(snd_una == write_seq)

@@ -9,13 +9,18 @@ import random
 import socket
 from collections.abc import Callable
 
+import pytest
+
 from kvwatch.collect.bpf.layout import KvEndpoints, KvSockRecord
 from kvwatch.collect.bpf.records import (
+    FLOW_FIELDS,
     FLOW_REFRESH_NS,
+    JUDGED_END,
     RECORD,
     RECORD_FIELDS,
     RecordValues,
     SampleCache,
+    judged_end,
     sample_from_raw,
 )
 from kvwatch.sockets import TCP_CLOSE, Endpoint, SocketSample
@@ -53,6 +58,20 @@ def test_struct_decoding_agrees_with_the_ctypes_mirror() -> None:
         decoded = RecordValues._make(RECORD.unpack(bytes(record)))._asdict()
         assert decoded == ctypes_values(record)
     assert list(decoded) == RECORD_FIELDS
+
+
+def test_the_flow_is_the_records_tail() -> None:
+    """What the judge reads is one range of bytes (the cache hashes it), so kvwatch.h keeps
+    the flow fields last; a layout that breaks this is refused at import."""
+    tail = [name for name, *_ in KvSockRecord._fields_][-len(FLOW_FIELDS) :]
+    assert set(tail) == FLOW_FIELDS
+    assert getattr(KvSockRecord, tail[0]).offset == JUDGED_END
+
+    class Misordered(ctypes.Structure):
+        _fields_ = [("sk", ctypes.c_uint64), ("acks", ctypes.c_uint64), ("tgid", ctypes.c_uint32)]
+
+    with pytest.raises(ValueError, match="tgid"):
+        judged_end(Misordered, frozenset({"acks"}))
 
 
 def v4(address: str) -> bytes:

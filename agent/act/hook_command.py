@@ -4,6 +4,7 @@ reason and status, and its result says the status, what the command did, and why
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 from kvwatch.act.episodes import Unfinished
@@ -16,7 +17,7 @@ from kvwatch.streams.view import StreamView
 COMMAND_TIMEOUT_SECONDS = 2.0
 
 
-class HookCommand:
+class HookCommand(ABC):
     """Base of the hook actions: a subclass names itself, sends its command (`send`) and
     says what its outcome did (`took_effect`: tallies, and the result's fields)."""
 
@@ -34,10 +35,12 @@ class HookCommand:
         done = self.took_effect(engine, attempt, outcome)
         return {"status": outcome.status, **done, "detail": outcome.detail}
 
+    @abstractmethod
     async def send(self, request_id: str, reason: str, evidence: dict[str, Any]) -> CancelOutcome:
-        raise NotImplementedError
+        """The command to the engine, and its outcome."""
 
+    @abstractmethod
     def took_effect(
         self, engine: EngineStream, attempt: Unfinished, outcome: CancelOutcome
     ) -> dict[str, Any]:
-        raise NotImplementedError
+        """Tallies what the outcome did; returns the result's fields beyond status and detail."""

@@ -9,22 +9,13 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import STALL_SECONDS, Stack
+from tests.metrics_text import metric_value
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
 LATENCY_MARGIN_SECONDS = 0.5
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def engine_metric(stack: Stack, name: str, **labels: str) -> float:

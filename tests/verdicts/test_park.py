@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.metrics_text import metric_value
 from tests.waiting import wait_until
 
 from .conftest import SERVER_PORT, Agent
@@ -115,8 +116,16 @@ def test_stopped_reader_parked_in_seconds_cut_after_proof_live_readers_whole(
             if e["verdict"] == "act" and e["actions"] != ["park"]
         ]
         assert not cuts, f"{reader.name} would have been cut: {cuts}"
-    resumed = agent.metrics()
-    assert "kvwatch_parks_resumed_total" in resumed
+    # A live reader the engine parked while it was held resumed before its stream went on.
+    parked_live = [
+        e
+        for reader in live
+        for e in entries_for(agent, f"cmpl-{reader.name}", "outcome")
+        if e["result"]["status"] == "parked"
+    ]
+    resumed = metric_value(agent.metrics(), "kvwatch_parks_resumed_total")
+    print(f"live readers parked {len(parked_live)} times, resumed {resumed:.0f}")
+    assert resumed >= len(parked_live)
 
 
 def test_an_engine_that_cannot_park_is_never_parked(agent: Agent, engine_lab: Any) -> None:

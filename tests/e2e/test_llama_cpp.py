@@ -23,7 +23,6 @@ import pytest
 
 from kvwatch.harness.stack import Service, free_port, wait_until_up
 from tests.e2e.conftest import Stack
-from tests.e2e.test_agent_loop import metric_value
 from tests.e2e.tiny_gguf import (
     TinyLlama,
     ascii_forever_bias,
@@ -31,6 +30,7 @@ from tests.e2e.tiny_gguf import (
     write_tiny_llama,
 )
 from tests.hook.asgi_servers import read_all
+from tests.metrics_text import metric_value
 from tests.waiting import wait_for
 
 require_llama_cpp()

@@ -40,7 +40,7 @@ from kvwatch.loadgen.http import Target, build_request, completion_body
 from kvwatch.tools.client import get_json
 from tests import waiting
 from tests.e2e.conftest import Stack
-from tests.e2e.test_agent_loop import metric_value
+from tests.metrics_text import metric_value
 from tests.proxy.proxies import PROXIES, Proxy, start_proxy
 from tests.verdicts.readers import Buffer, Reader
 

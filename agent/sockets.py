@@ -7,11 +7,10 @@ downstream (stream states, the join, policy, exporters) reads only this type.
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import socket
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 Source = Literal["bpf", "inet_diag"]
 # Linux TCP states (include/net/tcp_states.h), by number.
@@ -92,9 +91,11 @@ class Feeder:
     fed_ns: int
 
 
-@dataclass(frozen=True, slots=True)
-class SocketSample:
+class SocketSample(NamedTuple):
     """One TCP socket's send-side state at `observed_ns` (CLOCK_MONOTONIC nanoseconds).
+    Immutable; a named tuple rather than a frozen dataclass because the collector makes one
+    per changed record on every scan, and a frozen dataclass of this many fields takes
+    several times longer to build (docs/collector.md, "Cost").
 
     Counters are cumulative since the socket was first seen (`retransmits` from sock_diag:
     since the socket was created); `peer_rwnd` is -1 where the kernel does not report the
@@ -190,4 +191,4 @@ class SocketSample:
         return self.seconds_since(self.progress_ns, now_ns) if self.pending_bytes > 0 else 0.0
 
     def with_changes(self, **changes: Any) -> SocketSample:
-        return dataclasses.replace(self, **changes)
+        return self._replace(**changes)

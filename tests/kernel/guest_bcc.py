@@ -80,7 +80,7 @@ def pair() -> Iterator[Pair]:
 
 
 def sample_fields(sample: SocketSample) -> dict[str, Any]:
-    return {field.name: getattr(sample, field.name) for field in dataclasses.fields(sample)}
+    return sample._asdict()
 
 
 def agreeing_records(pair: Pair, key: int) -> tuple[KvSockRecord, KvSockRecord]:

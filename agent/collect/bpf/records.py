@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 from kvwatch.collect.bpf.layout import KvSockRecord
@@ -232,18 +231,20 @@ def sample_from_raw(
     )
 
 
-@dataclass(frozen=True, slots=True)
 class CachedSample:
     """A socket's sample and what its newest record looked like: the hash of all of it and
     of its judged part (the bytes before JUDGED_END); whether the sample was idle and healthy;
     `lagging` while the sample lags flow-only changes of that record (see the module's
-    docstring)."""
+    docstring). Private to one SampleCache, which updates it in place."""
 
-    record_hash: int
-    judged_hash: int
-    sample: SocketSample
-    idle: bool
-    lagging: bool = False
+    __slots__ = ("idle", "judged_hash", "lagging", "record_hash", "sample")
+
+    def __init__(self, record_hash: int, judged_hash: int, sample: SocketSample) -> None:
+        self.record_hash = record_hash
+        self.judged_hash = judged_hash
+        self.sample = sample
+        self.idle = idle_and_healthy(sample)
+        self.lagging = False
 
 
 def idle_and_healthy(sample: SocketSample) -> bool:
@@ -271,35 +272,31 @@ class SampleCache:
             offset = index * size
             if records[offset + TCP_STATE_OFFSET] == TCP_CLOSE:
                 continue
-            cached[key] = self._updated(previous.get(key), view[offset : offset + size], now_ns)
+            raw = view[offset : offset + size]
+            entry = previous.get(key)
+            if entry is None or not self._kept(entry, raw, now_ns):
+                entry = CachedSample(hash(raw), hash(raw[:JUDGED_END]), self._sample(raw, now_ns))
+            cached[key] = entry
         self._cached = cached
         return [entry.sample for entry in cached.values()]
 
-    def _updated(self, previous: CachedSample | None, raw: memoryview, now_ns: int) -> CachedSample:
-        record_hash = hash(raw)
-        fresh = previous is not None and now_ns - previous.sample.observed_ns < FLOW_REFRESH_NS
-        if previous is not None and previous.record_hash == record_hash:
-            if fresh or not previous.lagging:
-                return previous
-            return self._made(raw, record_hash, previous.judged_hash, now_ns)
-        judged_hash = hash(raw[:JUDGED_END])
-        if (
-            fresh
-            and previous is not None
-            and previous.idle
-            and judged_hash == previous.judged_hash
-            and self._nothing_pending(raw)
-        ):
-            return CachedSample(record_hash, judged_hash, previous.sample, idle=True, lagging=True)
-        return self._made(raw, record_hash, judged_hash, now_ns)
-
-    def _made(
-        self, raw: memoryview, record_hash: int, judged_hash: int, now_ns: int
-    ) -> CachedSample:
-        sample = sample_from_raw(raw, now_ns, self._endpoints)
-        return CachedSample(record_hash, judged_hash, sample, idle_and_healthy(sample))
-
     @staticmethod
-    def _nothing_pending(raw: memoryview) -> bool:
+    def _kept(entry: CachedSample, raw: memoryview, now_ns: int) -> bool:
+        """Whether `entry` still serves for `raw` (updating what it knows of the record):
+        the record is unchanged and its sample not lagging past FLOW_REFRESH_NS, or only its
+        flow moved on a socket idle and healthy at its sample and with nothing pending now."""
+        record_hash = hash(raw)
+        fresh = now_ns - entry.sample.observed_ns < FLOW_REFRESH_NS
+        if record_hash == entry.record_hash:
+            return fresh or not entry.lagging
+        if not (fresh and entry.idle and hash(raw[:JUDGED_END]) == entry.judged_hash):
+            return False
         snd_una, write_seq = UNSENT.unpack(raw)
-        return bool(snd_una == write_seq)
+        if snd_una != write_seq:
+            return False
+        entry.record_hash = record_hash
+        entry.lagging = True
+        return True
+
+    def _sample(self, raw: memoryview, now_ns: int) -> SocketSample:
+        return sample_from_raw(raw, now_ns, self._endpoints)

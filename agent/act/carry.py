@@ -29,9 +29,12 @@ TOOK_EFFECT = {"cancelled", "reset", "parked", "detached"}
 # An action that failed (or raised) is tried again after each of these delays, within its
 # stall episode and on the kernel's confirmation each time; the budget is charged once.
 RETRY_DELAYS_SECONDS = (1.0, 2.0, 4.0)
-# A park the engine declined (its own write buffer still filling: it is not held by its
-# client yet) is asked for again after each of these; the engine is held within a moment.
-PARK_RETRY_DELAYS_SECONDS = (0.25, 0.5, 1.0, 2.0, 4.0)
+# A park the engine declined (its own socket still takes output: it is not held by its
+# client yet) is asked for again after each of these, ~32 s in all. A non-blocking writer
+# is held only once its socket's whole send buffer is queued, not at the 2/3 that counts as
+# back-pressure here: a slow generation (a few KB/s of output) fills the last third in
+# 10 s and more.
+PARK_RETRY_DELAYS_SECONDS = (0.25, 0.5, 1.0, 2.0) + (4.0,) * 7
 
 
 class Executor:

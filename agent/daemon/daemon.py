@@ -168,13 +168,16 @@ class Daemon:
         if self.bpf is None:  # sock_diag polling has no close events: a vanished socket closed
             for key in previous.keys() - self._samples.keys():
                 self._gone(previous[key], now_ns)
-        self.timelines.sweep({connection_id(s.local, s.remote) for s in samples}, now_ns)
+        if self.timelines.live_count():
+            self.timelines.sweep({connection_id(s.local, s.remote) for s in samples}, now_ns)
         for sample in samples:
             episode = self.episodes.current(sample)
             if sample.zero_window or sample.sndbuf_full or (episode and episode.stalled_since_ns):
                 self._observe(sample, now_ns)
-        for connection in self.episodes.connections() - {connection_key(s) for s in samples}:
-            self._stall_ended(self.episodes.end(connection), now_ns)  # it left the table
+        # Sets of every socket only where something open is to be matched against them.
+        if open_episodes := self.episodes.connections():
+            for connection in open_episodes - {connection_key(s) for s in samples}:
+                self._stall_ended(self.episodes.end(connection), now_ns)  # it left the table
         self._warn_if_table_full()
 
     @property

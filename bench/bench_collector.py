@@ -9,7 +9,10 @@ without, each BPF handler's ns per event next to this kernel's floor, the table 
    watched and a control set of streams in turns, and what a watched token costs beyond a
    control token, programs attached against detached, is what tracking adds (median,
    bootstrap 95% interval). Added to it: the dispatch floor every socket pays (events per
-   token x the empty program's ns) and the agent's table reads; divided by the CPU an SSE
+   token x the empty program's ns) and the agent's CPU per token: the whole agent process
+   (`kvwatch run`, observe mode, watching the same load; bench/agent_process.py) for the
+   total, the collector's table read alone for `overhead_percent_total_read_only` (the
+   figure this bench gave before the whole agent was measured); divided by the CPU an SSE
    token costs with the programs detached (an asyncio SSE server and its reader in a
    cgroup, kernel time included). That SSE load also gives
    the direct on/off ratio of its CPU per token and of its throughput (secondary figures).
@@ -42,7 +45,7 @@ import threading
 import time
 from typing import Any
 
-from bench import bench_footprint, collector_cpu
+from bench import agent_process, bench_footprint, collector_cpu
 from bench.bpf.handler_costs import FLOOR, LOOKUP_AND_CLOCK, handler_costs
 from bench.common import RESULTS, write_result
 from bench.token_load import TokenLoad, TokenPump
@@ -84,6 +87,7 @@ def at_streams(streams: int) -> dict[str, Any]:
         time.sleep(WARM_UP_SECONDS)
         sse_result = collector_cpu.sse_pairs(load)
         handlers = handler_costs(load)
+        agent_costs, agent_rss_mb = agent_process.agent_windows(load)
     default = handlers["sk_storage"]
     # What every socket pays, watched or not: the empty program's dispatch on the attach
     # points that drop unwatched sockets at their first instructions (send, ACK), and the
@@ -98,8 +102,14 @@ def at_streams(streams: int) -> dict[str, Any]:
     return {
         "streams": streams,
         "load_average_1min": {"before": load_before, "after": load_average()},
-        "overhead_percent_total": collector_cpu.overhead_percent(pump_result, sse_result, floor_ns),
+        "overhead_percent_total": collector_cpu.overhead_percent(
+            pump_result, sse_result, floor_ns, agent_costs
+        ),
+        "overhead_percent_total_read_only": collector_cpu.overhead_percent(
+            pump_result, sse_result, floor_ns, collector_cpu.agent_read_ns(sse_result)
+        ),
         "floor_ns_per_token": round(floor_ns, 1),
+        "agent_process": agent_process.summarize_agent(agent_costs, agent_rss_mb),
         "pump": collector_cpu.summarize_pump(pump_result),
         "sse": collector_cpu.summarize_sse(sse_result),
         "handlers": handlers,
@@ -220,6 +230,9 @@ def summarize_streams(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "streams": rows[0]["streams"],
         "overhead_percent_total": spread([row["overhead_percent_total"]["median"] for row in rows]),
+        "overhead_percent_total_read_only": spread(
+            [row["overhead_percent_total_read_only"]["median"] for row in rows]
+        ),
         "sse_token_cpu_ns_off": spread(
             [row["sse"]["cpu_per_token_ns_off"]["median"] for row in rows]
         ),
@@ -228,6 +241,9 @@ def summarize_streams(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "floor_ns_per_token": spread([row["floor_ns_per_token"] for row in rows]),
         "agent_read_ns_per_token": spread([row["sse"]["agent_read_ns_per_token"] for row in rows]),
+        "agent_process_ns_per_token": spread(
+            [row["agent_process"]["ns_per_token"] for row in rows]
+        ),
         "load_average_1min": spread(
             [row["load_average_1min"][when] for row in rows for when in ("before", "after")]
         ),
@@ -331,15 +347,22 @@ def plot(result: dict[str, Any]) -> None:
     left.tick_params(axis="x", labelrotation=90)
     left.set_ylabel("ns per event (median, range over runs)")
     left.set_title(f"BPF ns per event, {row['streams']} streams (grey: references)")
-    for index, view in enumerate(result["summary"]["streams"]):
-        total = view["overhead_percent_total"]
-        right.bar(
-            index,
-            total["median"],
-            yerr=[[total["median"] - total["min"]], [total["max"] - total["median"]]],
-            capsize=4,
-            color="tab:orange",
-        )
+    totals = {
+        "overhead_percent_total": ("whole agent", "tab:orange", -0.2),
+        "overhead_percent_total_read_only": ("table read only", "tab:blue", 0.2),
+    }
+    for name, (label, colour, shift) in totals.items():
+        for index, view in enumerate(result["summary"]["streams"]):
+            total = view[name]
+            right.bar(
+                index + shift,
+                total["median"],
+                width=0.4,
+                yerr=[[total["median"] - total["min"]], [total["max"] - total["median"]]],
+                capsize=4,
+                color=colour,
+                label=label if index == 0 else None,
+            )
     right.set_xticks(range(len(STREAM_COUNTS)), [f"{view} streams" for view in STREAM_COUNTS])
     right.axhline(TARGETS["cpu_overhead_percent_max"], color="red", linestyle="--", label="1%")
     right.set_ylabel("agent + BPF, % of an SSE token's CPU")

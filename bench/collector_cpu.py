@@ -168,26 +168,30 @@ def summarize_sse(pairs: Sequence[tuple[SsePhase, SsePhase]]) -> dict[str, Any]:
             3,
         ),
         "tokens_per_second_off": round(statistics.median(p.tokens / p.wall_ns * 1e9 for p in offs)),
-        "agent_read_ns_per_token": round(
-            statistics.median(on.agent_cpu_ns / on.tokens for _, on in pairs), 1
-        ),
+        "agent_read_ns_per_token": round(statistics.median(agent_read_ns(pairs)), 1),
         "direct_overhead_percent": rounded(median_ci(direct), 100, 3),
         "throughput_ratio": round(statistics.median(throughput), 4),
         "throughput_ratio_spread": round(statistics.pstdev(throughput), 4),
     }
 
 
+def agent_read_ns(sse: Sequence[tuple[SsePhase, SsePhase]]) -> list[float]:
+    """The collector's table read per token, in each "on" phase of the SSE load."""
+    return [on.agent_cpu_ns / on.tokens for _, on in sse]
+
+
 def overhead_percent(
     pump: Sequence[tuple[PumpPhase, PumpPhase]],
     sse: Sequence[tuple[SsePhase, SsePhase]],
     floor_ns_per_token: float,
+    agent: Sequence[float],
 ) -> dict[str, float]:
     """What kvwatch adds to an SSE token's CPU, in percent: the pump's tracked extra, the
-    dispatch floor every socket pays, and the agent's reads, over the SSE token's CPU with
-    the programs detached. Median of the point estimates; the interval resamples both runs."""
+    dispatch floor every socket pays, and the agent's ns per token (`agent`: the table read's
+    per phase, or the whole agent process's per window), over the SSE token's CPU with the
+    programs detached. Median of the point estimates; the interval resamples each part."""
     extra = tracked_extra_ns(pump)
     prices = [off.cpu_per_token_ns for off, _ in sse]
-    agent = [on.agent_cpu_ns / on.tokens for _, on in sse]
 
     def estimate(extra_ns: float, price_ns: float, agent_ns: float) -> float:
         return 100 * (extra_ns + floor_ns_per_token + agent_ns) / price_ns

@@ -29,7 +29,21 @@ class HookServerThread:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self.server = HookServer(path, allowed_uids=(os.geteuid(),), on_change=on_change)
+        # Per request: when an update last said its KV went from held to none (monotonic s),
+        # kept after the stream closes, so a test cannot miss a generation's end between polls.
+        self.kv_freed_at: dict[str, float] = {}
+        self._held_kv: set[str] = set()
+
+        def changed(request_id: str, stream: EngineStream | None) -> None:
+            if stream is not None and stream.kv_blocks > 0:
+                self._held_kv.add(request_id)
+            elif stream is not None and request_id in self._held_kv:
+                self._held_kv.discard(request_id)
+                self.kv_freed_at[request_id] = time.monotonic()
+            if on_change is not None:
+                on_change(request_id, stream)
+
+        self.server = HookServer(path, allowed_uids=(os.geteuid(),), on_change=changed)
         self.call(self.server.start())
 
     def call(self, coroutine: Coroutine[Any, Any, _T]) -> _T:

@@ -20,7 +20,7 @@ from tests.e2e.tiny_gguf import require_llama_cpp, write_tiny_llama
 from tests.hook.agent_thread import HookServerThread
 from tests.hook.asgi_servers import open_client, read_all, read_until
 from tests.hook.llama_servers import MODEL, llama_completion, serving_llama
-from tests.waiting import wait_until
+from tests.waiting import wait_for, wait_until
 
 require_llama_cpp()
 pytestmark = pytest.mark.slow
@@ -41,14 +41,14 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("detach") / "tiny.gguf", MODEL)
 
 
-def _generation_ended(hook_server: HookServerThread, request_id: str) -> None:
-    """The app returned: the hook's last update says the request holds no KV."""
-
-    def ended() -> bool:
-        stream = hook_server.stream(request_id)
-        return stream is not None and stream.kv_blocks == 0
-
-    wait_until(ended, WAIT_SECONDS, f"the end of {request_id}'s generation")
+def _generation_ended(hook_server: HookServerThread, request_id: str) -> float:
+    """When the app returned (monotonic s): an update said the request's KV was freed. The
+    hook server notes it as it comes, so a stream that closes at once is not missed."""
+    return wait_for(
+        lambda: hook_server.kv_freed_at.get(request_id),
+        WAIT_SECONDS,
+        f"the end of {request_id}'s generation",
+    )
 
 
 def _chunks(body: bytes) -> int:
@@ -115,6 +115,11 @@ class _SlowReader(threading.Thread):
         self.client = client
         self.go = threading.Event()
         self.body = bytearray()
+        self.progress: list[tuple[float, int]] = []  # (monotonic s, bytes read by then)
+
+    def read_by(self, moment: float) -> int:
+        """Bytes it had read at `moment`."""
+        return max((count for at, count in self.progress if at <= moment), default=0)
 
     def run(self) -> None:
         self.go.wait(WAIT_SECONDS)
@@ -124,6 +129,7 @@ class _SlowReader(threading.Thread):
             if not chunk:
                 return
             self.body += chunk
+            self.progress.append((time.monotonic(), len(self.body)))
             time.sleep(SLOW_READ_PAUSE_SECONDS)
 
 
@@ -149,9 +155,9 @@ def test_a_slow_reader_of_a_detached_stream_gets_the_undetached_stream_byte_for_
         (held,) = hook_server.backed_up()  # the reader has not started reading
         reader.go.set()
         outcome = hook_server.detach(held.request_id)
-        _generation_ended(hook_server, held.request_id)
-        read_when_generated = len(reader.body)
+        generated_at = _generation_ended(hook_server, held.request_id)
         reader.join(WAIT_SECONDS)
+        read_when_generated = reader.read_by(generated_at)
         reader.client.close()
     assert outcome.status == "detached"
     assert _http_body(bytes(reader.body)) == expected

@@ -96,7 +96,9 @@ def test_reset_alone_ends_the_stall_for_an_engine_without_the_hook(stack: Stack)
 def test_budget_and_deny_rules_hold(stack: Stack) -> None:
     stack.start_engine()
     stack.start_agent("--mode", "enforce", "--max-cancels-per-minute", "1")
-    stack.load(seconds=6, healthy=0, slow=0, stalled=3)
+    # The proof takes ~4.5 s from the load's start (streams open, buffers fill, stall_seconds
+    # 3): 10 s leaves room on a loaded machine, where 6 s once saw no decision at all.
+    stack.load(seconds=10, healthy=0, slow=0, stalled=3)
     decisions = stack.audit_entries("decision")
     assert [d["verdict"] for d in decisions].count("act") == 1
     assert any(d["reason"] == "budget_exhausted" for d in decisions)

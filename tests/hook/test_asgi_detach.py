@@ -41,12 +41,14 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("detach") / "tiny.gguf", MODEL)
 
 
-def _generation_ended(hook_server: HookServerThread, request_id: str) -> float:
+def _generation_ended(
+    hook_server: HookServerThread, request_id: str, timeout_seconds: float = WAIT_SECONDS
+) -> float:
     """When the app returned (monotonic s): an update said the request's KV was freed. The
     hook server notes it as it comes, so a stream that closes at once is not missed."""
     return wait_for(
         lambda: hook_server.kv_freed_at.get(request_id),
-        WAIT_SECONDS,
+        timeout_seconds,
         f"the end of {request_id}'s generation",
     )
 
@@ -155,7 +157,10 @@ def test_a_slow_reader_of_a_detached_stream_gets_the_undetached_stream_byte_for_
         (held,) = hook_server.backed_up()  # the reader has not started reading
         reader.go.set()
         outcome = hook_server.detach(held.request_id)
-        generated_at = _generation_ended(hook_server, held.request_id)
+        # In the full suite the hypercorn run's generation has taken over 60 s (twice in
+        # three runs; 22-27 s alone, cause not found): its end is awaited longer, and the
+        # assertions below still hold it to not having waited for the reader.
+        generated_at = _generation_ended(hook_server, held.request_id, 3 * WAIT_SECONDS)
         reader.join(WAIT_SECONDS)
         read_when_generated = reader.read_by(generated_at)
         reader.client.close()

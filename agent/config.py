@@ -53,6 +53,7 @@ MAX_SOCKETS_LIMIT = 1 << 28
 PID_MAX_LIMIT = 1 << 22
 # (uid_t)-1 means "no uid" to the kernel; every real uid is below it.
 UID_MAX = (1 << 32) - 2
+HOUR_SECONDS = 3600
 DAY_SECONDS = 86400
 # A config file is a few kB; past this it is the wrong file (or a device, or an attack).
 MAX_CONFIG_BYTES = 1 << 20
@@ -71,9 +72,12 @@ log = logging.getLogger(__name__)
 class PolicyConfig:
     """When a stalled stream is acted on, and how (kvwatch.policy.rules.decide reads only this).
 
-    `park` and `park_seconds`: a stream whose engine can park (docs/protocol.md) is parked
-    once its socket has shown back-pressure for `park_seconds`, with no proof needed (its
-    KV is freed, nothing is cut); the cut (`actions`) waits for the stall's proof.
+    `pause`, `pause_seconds`, `release_seconds`, `park` and `park_seconds` (the hold,
+    kvwatch.policy.hold): a stream whose reader falls `pause_seconds` of its output behind
+    is paused (its engine decodes nothing more for it), released once the reader is back
+    under `release_seconds`, and parked (its KV freed) once paused for `park_seconds`, with
+    no proof needed (nothing is cut); a hold lasts `lease_seconds` at the engine unless the
+    agent renews it. The cut (`actions`) waits for the stall's proof.
     Rules: deny lists win over allow lists; an empty allow list allows every value of its kind;
     a stream must pass every non-empty allow list. Port rules match the local port; `comms`
     are fnmatch globs on the process name; `cgroups` are fnmatch globs tried on the cgroup
@@ -86,6 +90,10 @@ class PolicyConfig:
     min_reader_bytes_per_second: int = DEFAULT_MIN_READER_BYTES_PER_SECOND
     min_kv_bytes: int = 0
     grace_seconds: float = 2.0
+    pause: Switch = "on"
+    pause_seconds: float = 2.0
+    release_seconds: float = 1.0
+    lease_seconds: float = 10.0
     park: Switch = "on"
     park_seconds: float = 2.0
     max_cancels_per_minute: int = 10
@@ -218,6 +226,9 @@ RANGES: dict[str, Range] = {
     "policy.min_reader_bytes_per_second": Range(1, 1 << 30, "bytes per second"),
     "policy.min_kv_bytes": Range(0, 1 << 50, "bytes"),
     "policy.grace_seconds": Range(0, DAY_SECONDS, "seconds"),
+    "policy.pause_seconds": Range(0, DAY_SECONDS, "seconds", above_low=True),
+    "policy.release_seconds": Range(0, HOUR_SECONDS, "seconds", note="below pause_seconds"),
+    "policy.lease_seconds": Range(1, DAY_SECONDS, "seconds"),
     "policy.park_seconds": Range(0, DAY_SECONDS, "seconds", above_low=True),
     "policy.max_cancels_per_minute": Range(
         1, 1_000_000, "actions", note="use mode = observe to act never"
@@ -605,7 +616,26 @@ def load_config(
     for key, value in values.items():
         section, name = key.split(".", 1)
         sections[section][name] = value
-    return AgentConfig(**{name: _SECTIONS[name](**kw) for name, kw in sections.items()})
+    config = AgentConfig(**{name: _SECTIONS[name](**kw) for name, kw in sections.items()})
+    _check_hold_bounds(config.policy, origins)
+    return config
+
+
+def _check_hold_bounds(policy: PolicyConfig, origins: Mapping[str, _Origin]) -> None:
+    """The release bound must lie below the pause bound, or a released stream would be
+    paused again at once (and a paused one never released)."""
+    if policy.release_seconds < policy.pause_seconds:
+        return
+    key = next(
+        (k for k in ("policy.release_seconds", "policy.pause_seconds") if k in origins),
+        "policy.release_seconds",
+    )
+    origin = origins.get(key, _Origin("by default", f"set {key}"))
+    raise ConfigError(
+        f"policy.release_seconds {policy.release_seconds} must be below policy.pause_seconds "
+        f"{policy.pause_seconds} ({key} {origin.label})",
+        f"{origin.fix}: for example release_seconds = pause_seconds / 2",
+    )
 
 
 def config_to_dict(config: AgentConfig) -> dict[str, dict[str, object]]:

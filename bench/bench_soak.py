@@ -57,7 +57,7 @@ from bench.common import RESULTS, write_result
 from kvwatch.collect.netns import network_namespace
 from kvwatch.harness.demo import scrape
 from kvwatch.harness.stack import Stack
-from kvwatch.hook import CancelOutcome, EngineHook, EngineInfo
+from kvwatch.hook import CommandOutcome, EngineHook, EngineInfo
 from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND
 from tests.verdicts.conftest import SERVER_BYTES_PER_SECOND, Lab
 from tests.verdicts.netlab import Link, NetLab
@@ -230,8 +230,8 @@ class Trickle:
         return [*self.done, *self.open]
 
 
-def _no_request(request_id: str, reason: str) -> CancelOutcome:
-    return CancelOutcome(request_id, "unknown_request", 0, 0, detail=reason)
+def _no_request(request_id: str, reason: str) -> CommandOutcome:
+    return CommandOutcome(request_id, "unknown_request", 0, 0, detail=reason)
 
 
 class Announced:

@@ -1,5 +1,5 @@
-"""Decisions, actions by outcome, the KV cache reclaimed by cancels and freed by parks, and
-the parked requests that resumed."""
+"""Decisions, actions by outcome, the KV cache reclaimed by cancels and freed by parks, the
+parked requests that resumed, the holds renewed, and the tokens decoded for nobody."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def action_metrics(state: AgentState) -> Iterator[Metric]:
     yield decisions
     actions = CounterMetricFamily(
         "kvwatch_actions",
-        "Cancels, resets and parks carried out, by reason and result.",
+        "Cancels, resets, pauses, parks, detaches and releases carried out, by reason and result.",
         labels=["action", "reason", "result"],
     )
     tally = state.tally
@@ -42,6 +42,22 @@ def action_metrics(state: AgentState) -> Iterator[Metric]:
         "kvwatch_parks_resumed",
         "Parked requests that resumed: their client read again.",
         value=tally.resumes,
+    )
+    yield CounterMetricFamily(
+        "kvwatch_holds_renewed",
+        "Leases of paused or parked requests renewed at their engine.",
+        value=tally.renewals,
+    )
+    yield CounterMetricFamily(
+        "kvwatch_hold_renewals_refused",
+        "Lease renewals the engine refused: the request was gone or no longer held.",
+        value=tally.renewals_failed,
+    )
+    yield CounterMetricFamily(
+        "kvwatch_tokens_unread_at_end",
+        "Tokens engines wrote that their readers had not read when their streams ended: "
+        "decoded for nobody (an estimate from each stream's unread backlog).",
+        value=state.unread_tokens_at_end,
     )
     yield GaugeMetricFamily(
         "kvwatch_policy_enforcing",

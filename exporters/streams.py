@@ -82,6 +82,22 @@ def stream_metrics(state: AgentState, durations: EpisodeDurations) -> Iterator[M
         value=sum(1 for view in views if view.engine is not None and view.engine.parked),
     )
     yield GaugeMetricFamily(
+        "kvwatch_streams_paused",
+        "Streams whose request is paused (not parked): no decode steps while its reader is "
+        "behind, its KV kept.",
+        value=sum(
+            1
+            for view in views
+            if view.engine is not None and view.engine.paused and not view.engine.parked
+        ),
+    )
+    yield GaugeMetricFamily(
+        "kvwatch_streams_unread_bytes",
+        "Bytes the readers of engine streams have not read yet (their unread backlog, as the "
+        "server's kernel shows it).",
+        value=sum(view.backlog.bytes for view in by_request(views) if view.backlog is not None),
+    )
+    yield GaugeMetricFamily(
         "kvwatch_streams_detached",
         "Streams detached from their generator: the engine's ASGI middleware buffers their "
         "output on the host so the generation can end and free its KV.",

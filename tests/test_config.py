@@ -281,6 +281,12 @@ def test_every_numeric_setting_has_one_documented_range() -> None:
         assert bounds.span in rows[key].split("|")[4], (key, bounds.span)
 
 
+# Settings bound by another one as well as by their range: what lets their whole range load.
+COMPANIONS: dict[str, dict[str, object]] = {
+    "policy.release_seconds": {"policy.pause_seconds": RANGES["policy.pause_seconds"].high},
+}
+
+
 @pytest.mark.parametrize(("key", "bounds"), sorted(RANGES.items()))
 def test_each_range_holds_at_its_ends_and_not_past_them(key: str, bounds: Range) -> None:
     is_list = get_origin(config_field(key)) is tuple
@@ -290,6 +296,7 @@ def test_each_range_holds_at_its_ends_and_not_past_them(key: str, bounds: Range)
         (bounds.high + 1, False),
     ):
         flags: dict[str, object] = {key: (value,) if is_list else value}
+        flags.update(COMPANIONS.get(key, {}))
         if fine:
             load_config(None, {}, flags)
         else:
@@ -349,3 +356,9 @@ def test_what_the_parser_cannot_take_is_a_config_error(tmp_path: Path) -> None:
         message = error_of(str(path))
         assert words in message
         assert "\n" not in message and len(message) < 400, message[:500]
+
+
+def test_the_release_bound_must_lie_below_the_pause_bound() -> None:
+    message = error_of(flags={"policy.release_seconds": 2.0})
+    assert "policy.release_seconds 2.0 must be below policy.pause_seconds 2.0" in message
+    load_config(None, {}, {"policy.release_seconds": 2.0, "policy.pause_seconds": 3.0})

@@ -1,24 +1,23 @@
 """The actions the agent can take on a stalled stream, by the name `policy.actions` gives
 them, and the kernel check before any of them. Each action is a module of its own
-(kvwatch.act.cancel, kvwatch.act.reset, kvwatch.act.park, kvwatch.act.detach): a new one is
-one more module here and a rule in kvwatch.policy that can choose it."""
+(kvwatch.act.reset, and the hook commands' table in kvwatch.act.hook_actions): a new one is one
+more entry here and a rule in kvwatch.policy that can choose it."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Protocol
 
-from kvwatch.act.cancel import Cancel
 from kvwatch.act.confirm import KernelCheck, check
-from kvwatch.act.detach import Detach
-from kvwatch.act.episodes import Unfinished
+from kvwatch.act.hook_actions import COMMAND_TIMEOUT_SECONDS, hook_actions
 from kvwatch.act.kernel import SocketWorker
-from kvwatch.act.park import Park
 from kvwatch.act.reset import Reset
 from kvwatch.act.tally import ActionTally
 from kvwatch.collect.diag.kernel_view import CheckedViews
 from kvwatch.errors import KvwatchError
 from kvwatch.hookserver.hook_server import HookServer
+from kvwatch.hookserver.registry import EngineStream
+from kvwatch.streams.episodes import Unfinished
 from kvwatch.streams.relay import Cancels
 from kvwatch.streams.view import StreamView
 
@@ -26,7 +25,8 @@ from kvwatch.streams.view import StreamView
 class Action(Protocol):
     """One thing done to a stalled stream; its result's `status` says what happened."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     async def __call__(self, view: StreamView, attempt: Unfinished) -> dict[str, Any]: ...
 
@@ -35,20 +35,33 @@ class Actions:
     """The actions by name, what they did (`tally`), the requests cancelled (`cancels`, for
     the relay join) and the kernel check; used from the event loop."""
 
-    def __init__(self, hooks: HookServer, procfs_root: str) -> None:
+    def __init__(self, hooks: HookServer, procfs_root: str, lease_ms: int) -> None:
+        self.hooks = hooks
         self.tally = ActionTally()
         self.cancels = Cancels()
         self.checked = CheckedViews()
         self.worker = SocketWorker(procfs_root)
-        self.by_name: dict[str, Action] = {
-            action.name: action
-            for action in (
-                Cancel(hooks, self.tally, self.cancels),
-                Reset(self.worker, hooks, self.tally),
-                Park(hooks, self.tally),
-                Detach(hooks, self.tally),
-            )
-        }
+        actions: list[Action] = [
+            *hook_actions(hooks, self.tally, self.cancels, lease_ms),
+            Reset(self.worker, hooks, self.tally),
+        ]
+        self.by_name = {action.name: action for action in actions}
+
+    async def renew(self, engine: EngineStream, lease_ms: int) -> None:
+        """Renews the engine's lease on a held request (a pause again): no decision, no
+        outcome line; counted (`ActionTally.renewals`, or `renewals_failed`)."""
+        outcome = await self.hooks.command(
+            "pause",
+            engine.request_id,
+            "renew",
+            {},
+            COMMAND_TIMEOUT_SECONDS,
+            lease_ms=lease_ms,
+        )
+        if outcome.status == "paused":
+            self.tally.renewals += 1
+        else:
+            self.tally.renewals_failed += 1
 
     async def run(self, name: str, view: StreamView, attempt: Unfinished) -> dict[str, Any]:
         return await self.by_name[name](view, attempt)

@@ -13,8 +13,8 @@ from collections import Counter, deque
 from typing import Any
 
 from kvwatch.act.audit import AuditLog
-from kvwatch.act.episodes import Episode
 from kvwatch.policy.rules import Decision
+from kvwatch.streams.episodes import Hold, Stall
 from kvwatch.streams.timeline import Timelines, connection_id
 from kvwatch.streams.view import StreamView
 
@@ -25,6 +25,8 @@ OUTCOME_EVENTS = {
     "reset": "reset_done",
     "park": "parked",
     "detach": "detached",
+    "pause": "paused",
+    "release": "released",
 }
 
 
@@ -67,18 +69,19 @@ class Recorder:
         self,
         view: StreamView,
         decision: Decision,
-        episode: Episode,
+        part: Stall | Hold,
         kernel: dict[str, Any] | None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Counts and writes the decision when it is news for `episode`; returns the reference
-        that ties its outcome lines to it and the evidence it was written with."""
+        """Counts and writes the decision when it is news for its part of the episode (the
+        stall, for a cut; the hold, for a pause, park, detach or release); returns the
+        reference that ties its outcome lines to it and the evidence it was written with."""
         news = (decision.verdict, decision.reason)
-        if episode.logged is not None and episode.logged[0] == news:
-            return episode.logged[1], episode.logged[2]
+        if part.logged is not None and part.logged[0] == news:
+            return part.logged[1], part.logged[2]
         self.decisions[news] += 1
         ref = self._reference(view)
         entry = self.audit.record(decision, evidence_of(view, kernel), ref)
-        episode.logged = (news, ref, entry["evidence"])
+        part.logged = (news, ref, entry["evidence"])
         fields = {
             "verdict": decision.verdict,
             "reason": decision.reason,

@@ -8,12 +8,12 @@ import asyncio
 import time
 from typing import Any
 
-from kvwatch.act.episodes import Unfinished
 from kvwatch.act.kernel import SocketWorker
 from kvwatch.act.tally import ActionTally
 from kvwatch.errors import KvwatchError
 from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookserver.registry import EngineStream
+from kvwatch.streams.episodes import Unfinished
 from kvwatch.streams.view import StreamView
 
 # After a reset, how long the agent waits for the engine to close the request the connection

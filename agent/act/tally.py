@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 @dataclass
 class ActionTally:
     """Counts of actions by (action, reason, result), the KV bytes reclaimed (cancels and
-    the requests a reset ended) and freed by parks, and the resumes of parked requests."""
+    the requests a reset ended) and freed by parks, the resumes of parked requests, and the
+    renewals of held requests' leases (and those the engine refused: the request was gone)."""
 
     outcomes: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     reclaimed_kv_bytes: int = 0
@@ -20,6 +21,8 @@ class ActionTally:
     parked_kv_bytes: int = 0
     parked_kv_blocks: int = 0
     resumes: int = 0
+    renewals: int = 0
+    renewals_failed: int = 0
 
     def reclaimed(self, blocks: int, nbytes: int) -> None:
         self.reclaimed_kv_blocks += blocks

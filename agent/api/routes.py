@@ -19,7 +19,6 @@ from kvwatch.api.state import AgentState
 from kvwatch.collect.collectors import TableStatus, needed_sockets
 from kvwatch.sockets import Endpoint
 from kvwatch.streams.timeline import connection_id
-from kvwatch.streams.view import socket_json
 
 
 class JSONResponse(StarletteJSONResponse):
@@ -38,9 +37,7 @@ def build_app(state: AgentState, registry: CollectorRegistry) -> Starlette:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def sockets(_: Request) -> JSONResponse:
-        now_ns = time.monotonic_ns()
-        policy = state.stall_thresholds
-        return JSONResponse([socket_json(s, now_ns, policy) for s in state.samples()])
+        return JSONResponse([view.socket_row() for view in state.stream_views()])
 
     async def streams(_: Request) -> JSONResponse:
         return JSONResponse([view.to_json() for view in state.stream_views()])

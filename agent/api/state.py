@@ -86,6 +86,11 @@ class AgentState(Protocol):
     @property
     def tally(self) -> ActionTally: ...
 
+    @property
+    def unread_tokens_at_end(self) -> int:
+        """Tokens engines wrote that their readers had not read when their streams ended
+        (kvwatch.streams.backlog.FlowMeter.unread_tokens: an estimate)."""
+
     def samples(self) -> list[SocketSample]: ...
 
     def stream_views(self) -> list[StreamView]: ...

@@ -28,8 +28,11 @@ EVENT_TEXT = {
     "decision": "decision",
     "cancel_acknowledged": "engine acknowledged the cancel",
     "reset_done": "connection reset by the agent",
+    "paused": "engine paused the request: no decode steps for a reader that fell behind, "
+    "its KV kept",
     "parked": "engine parked the request: its KV freed, the request and connection kept",
-    "resumed": "the client read again: the engine resumed the request",
+    "released": "the reader caught up: the engine was told to go on",
+    "resumed": "the engine resumed the request: its KV back",
     "detached": "engine detached the stream: its output buffered on the host, its generation "
     "runs to its end",
     "engine_closed_stream": "engine closed the stream",
@@ -48,6 +51,7 @@ EVIDENCE_KEYS = (
     "stalled_seconds",
     "stall_required_seconds",
     "stall_evidence",
+    "backlog",
 )
 
 
@@ -55,6 +59,8 @@ def describe(entry: dict[str, Any]) -> str:
     text = str(EVENT_TEXT.get(entry["event"], entry["event"]))
     if entry["event"] == "decision":
         text += f": {entry['verdict']} ({entry['reason']}) {', '.join(entry['actions'])}"
+    if entry["event"] in ("paused", "released"):
+        text += f": {entry['status']}"
     if entry["event"] in ("cancel_acknowledged", "parked"):
         text += (
             f": {entry['status']}, freed {entry['freed_blocks']} blocks "

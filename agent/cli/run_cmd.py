@@ -101,20 +101,42 @@ async def serve(daemon: Daemon, listener: socket.socket) -> None:
     help="Never act on a stream younger than this.",
 )
 @click.option(
+    "--pause",
+    type=click.Choice(["on", "off"]),
+    default=None,
+    help="Pause (on, default): an engine that can pause stops decoding for a stream whose "
+    "reader is --pause-seconds of its output behind, and decodes on once the reader is back "
+    "under --release-seconds. Not a byte of the stream changes.",
+)
+@setting_option(
+    "--pause-seconds",
+    key="policy.pause_seconds",
+    metavar="SECONDS",
+    default=None,
+    help="Unread backlog, in seconds of the stream's own output, that pauses it [default: 2.0].",
+)
+@setting_option(
+    "--release-seconds",
+    key="policy.release_seconds",
+    metavar="SECONDS",
+    default=None,
+    help="Unread backlog under which a paused or parked stream is released "
+    "[default: 1.0; below --pause-seconds].",
+)
+@click.option(
     "--park",
     type=click.Choice(["on", "off"]),
     default=None,
-    help="Park (on, default): free the KV of a stream whose client stopped reading, "
-    "after --park-seconds, without cutting it; engines that can park resume it when the "
-    "client reads again. Cutting still waits for the stall's proof.",
+    help="Park (on, default): free the KV of a stream paused for --park-seconds (or whose "
+    "reader has been behind that long, where its engine cannot pause), without cutting it; "
+    "it comes back when the reader catches up. Cutting still waits for the stall's proof.",
 )
 @setting_option(
     "--park-seconds",
     key="policy.park_seconds",
     metavar="SECONDS",
     default=None,
-    help="Back-pressure (zero window or full send buffer, no ACK progress) that parks a "
-    "stream [default: 2.0].",
+    help="How long a stream is paused (or its reader behind) before it is parked [default: 2.0].",
 )
 @setting_option(
     "--max-cancels-per-minute",
@@ -160,6 +182,9 @@ def command(
     actions: tuple[str, ...],
     min_kv_bytes: int | None,
     grace_seconds: float | None,
+    pause: str | None,
+    pause_seconds: float | None,
+    release_seconds: float | None,
     park: str | None,
     park_seconds: float | None,
     max_cancels_per_minute: int | None,
@@ -187,7 +212,7 @@ def command(
     Examples:
       kvwatch run --port 8000                         observe the engine on port 8000
       kvwatch run --port 8000 --mode enforce --action cancel
-      kvwatch run --port 8000 --mode enforce --park-seconds 1.5
+      kvwatch run --port 8000 --mode enforce --pause-seconds 3 --park-seconds 1.5
       kvwatch run --config /etc/kvwatch/kvwatch.toml
     """
     handler = logging.StreamHandler()
@@ -201,6 +226,9 @@ def command(
         "policy.actions": actions or None,
         "policy.min_kv_bytes": min_kv_bytes,
         "policy.grace_seconds": grace_seconds,
+        "policy.pause": pause,
+        "policy.pause_seconds": pause_seconds,
+        "policy.release_seconds": release_seconds,
         "policy.park": park,
         "policy.park_seconds": park_seconds,
         "policy.max_cancels_per_minute": max_cancels_per_minute,

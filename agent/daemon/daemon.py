@@ -15,7 +15,7 @@ from typing import Any
 from kvwatch.act.actions import Actions
 from kvwatch.act.audit import AuditLog
 from kvwatch.act.carry import Executor
-from kvwatch.act.episodes import Episode, Episodes
+from kvwatch.act.episode_runner import EpisodeRunner
 from kvwatch.act.record import Recorder
 from kvwatch.act.tally import ActionTally
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
@@ -40,8 +40,7 @@ from kvwatch.policy.decide import Decider
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import FeedLedger, RelayIndex, RelayLink
-from kvwatch.streams.stall_timers import StallTimers
-from kvwatch.streams.states import StallJudgement, stall_since_ns
+from kvwatch.streams.states import StallJudgement
 from kvwatch.streams.timeline import Timelines, connection_id
 from kvwatch.streams.view import StreamView
 
@@ -55,8 +54,8 @@ TABLE_WARNING_NS = 300 * 1_000_000_000
 class Daemon:
     """Owns every part of the agent; all of them run on one event loop, except the collector
     (its own thread: netlink and map reads block) and resets (their own thread: setns).
-    Invariant: a socket is looked at by the stall timers from its first edge event or scan
-    until it closes or its back-pressure ends."""
+    Invariant: a socket is followed by the episode runner from its first edge event or scan
+    under pressure until it closes or nothing about it can change any more."""
 
     def __init__(self, config: AgentConfig, nvml: NvmlApi | None = None) -> None:
         self.config = config
@@ -67,7 +66,8 @@ class Daemon:
         self.hooks = HookServer(
             config.hook.socket, config.hook.allowed_uids, on_change=self._on_stream_change
         )
-        self.actions = Actions(self.hooks, config.path.procfs)
+        lease_ms = int(config.policy.lease_seconds * 1000)
+        self.actions = Actions(self.hooks, config.path.procfs, lease_ms)
         self.timelines = Timelines(config.streams.history_size)
         self.recorder = Recorder(AuditLog(config.audit.path or None), self.timelines)
         # What relay joins keep between looks: each client socket's feed counts (noted from
@@ -75,16 +75,17 @@ class Daemon:
         self.feed_ledger = FeedLedger()
         self.listeners = ListeningPorts(config.path.procfs)
         self.executor = Executor(self.actions, self.recorder, Decider(config.policy), self.joiner)
-        self.episodes = Episodes()
-        parking = config.policy.park == "on"
-        self.stall_timers = StallTimers(
-            self.stall_thresholds,
-            self._read_sample,
-            self._on_stalled,
-            on_pressure=self._on_pressure if parking else None,
-            park_seconds=config.policy.park_seconds,
-        )
         self.durations = EpisodeDurations()
+        self.runner = EpisodeRunner(
+            config.policy,
+            self.executor,
+            self.recorder,
+            self.timelines,
+            self._read_sample,
+            self._view_of,
+            self._carries_stream,
+            self.durations.stall_ended,
+        )
         self.registry = agent_registry(self, self.durations)
         self.opened: OpenedCollector | None = None
         self.started_ns = time.monotonic_ns()
@@ -94,7 +95,8 @@ class Daemon:
         self._ring: EventRing | None = None
         self._samples: dict[int, SocketSample] = {}
         self._samples_ns = 0
-        self._zero_window_started: dict[int, int] = {}
+        # Tokens engines wrote that their readers had not read when their streams ended.
+        self.unread_tokens_at_end = 0
         self._live: dict[str, EngineStream] = {}
         self._table_warned_ns = 0
         self._stop = asyncio.Event()
@@ -133,7 +135,7 @@ class Daemon:
         self._stop.set()
 
     async def close(self) -> None:
-        self.stall_timers.close()
+        self.runner.close()
         if self._ring is not None:
             asyncio.get_running_loop().remove_reader(self._ring.fileno())
             self._ring.close()
@@ -171,13 +173,10 @@ class Daemon:
         if self.timelines.live_count():
             self.timelines.sweep({connection_id(s.local, s.remote) for s in samples}, now_ns)
         for sample in samples:
-            episode = self.episodes.current(sample)
-            if sample.zero_window or sample.sndbuf_full or (episode and episode.stalled_since_ns):
-                self._observe(sample, now_ns)
-        # Sets of every socket only where something open is to be matched against them.
-        if open_episodes := self.episodes.connections():
-            for connection in open_episodes - {connection_key(s) for s in samples}:
-                self._stall_ended(self.episodes.end(connection), now_ns)  # it left the table
+            self.runner.observe(sample, now_ns)
+        # A set of every socket only where an open episode is to be matched against it.
+        if len(self.runner.episodes):
+            self.runner.left({connection_key(s) for s in samples}, now_ns)
         self._warn_if_table_full()
 
     @property
@@ -261,9 +260,24 @@ class Daemon:
         for sample in self._samples.values():
             engine, relay = self.behind(sample, index)
             view = self.joiner.view(sample, engine, now_ns, self.stall_thresholds, relay=relay)
-            failed = self.episodes.failed(sample)
-            views.append(dataclasses.replace(view, action_failed=failed) if failed else view)
+            views.append(
+                dataclasses.replace(
+                    view,
+                    action_failed=self.runner.failed(sample),
+                    backlog=self.runner.backlog(sample),
+                )
+            )
         return views
+
+    def _view_of(self, sample: SocketSample, now_ns: int, judgement: StallJudgement) -> StreamView:
+        """One socket joined into its stream, for a look (kvwatch.act.episode_runner)."""
+        engine, relay = self.behind(sample)
+        return self.joiner.view(sample, engine, now_ns, self.stall_thresholds, judgement, relay)
+
+    def _carries_stream(self, sample: SocketSample) -> bool:
+        """Whether the socket may carry an engine's stream: an engine announced a request on
+        it, or a proxy relays into it (its feeder)."""
+        return sample.feeder is not None or self.hooks.find(sample.local, sample.remote) is not None
 
     # -- edges, stalls and engine streams ------------------------------------------------
 
@@ -279,12 +293,11 @@ class Daemon:
     def _on_event(self, event: SocketEvent) -> None:
         sample, key = event.sample, event.sample.key
         self.timelines.note_socket(sample, event.ts_ns, event.kind)
-        if event.kind == "zero_window_start":
-            self._zero_window_started[key] = event.ts_ns
-        elif event.kind == "zero_window_end":
-            started = self._zero_window_started.pop(key, None)
-            if started is not None:
-                self.durations.zero_window_ended((event.ts_ns - started) / 1e9)
+        if event.kind in ("zero_window_start", "zero_window_end"):
+            started = event.kind == "zero_window_start"
+            ended = self.runner.zero_window(key, started, event.ts_ns)
+            if ended is not None:
+                self.durations.zero_window_ended(ended)
         if event.kind == "close":
             self._gone(sample, event.ts_ns)
             self.timelines.close(
@@ -295,7 +308,7 @@ class Daemon:
             return
         self._samples[key] = sample
         self.feed_ledger.note(sample)
-        self._observe(sample, event.ts_ns)
+        self.runner.observe(sample, time.monotonic_ns())
 
     def _last_view_json(self, sample: SocketSample) -> dict[str, object] | None:
         """The stream as it was when its socket closed, if an engine announced it."""
@@ -312,60 +325,11 @@ class Daemon:
         view = self.joiner.view(sample, engine, time.monotonic_ns(), self.stall_thresholds)
         return view.to_json()
 
-    def _observe(self, sample: SocketSample, now_ns: int) -> None:
-        episode = self.episodes.current(sample)
-        if episode is not None and episode.stalled_since_ns not in (0, stall_since_ns(sample)):
-            self._stall_ended(episode, now_ns)
-        self.stall_timers.observe(sample)
-
-    async def _on_stalled(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
-        """The stall timers' handler: the stream's view, the policy's decision on it, and
-        the decision carried out (kvwatch.act.carry); returns when to look again, or None."""
-        episode = self.episodes.of(sample)
-        if not episode.stalled_since_ns:
-            episode.stalled_since_ns = judgement.since_ns
-            self._note_stalled(sample, judgement)
-        engine, relay = self.behind(sample)
-        now_ns = time.monotonic_ns()
-        view = self.joiner.view(sample, engine, now_ns, self.stall_thresholds, judgement, relay)
-        return await self.executor.on_stalled(episode, view)
-
-    async def _on_pressure(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
-        """The stall timers' pressure handler: the park rule's decision on the stream, and
-        the park carried out (kvwatch.act.carry); returns when to look again, or None."""
-        episode = self.episodes.of(sample)
-        engine, relay = self.behind(sample)
-        now_ns = time.monotonic_ns()
-        view = self.joiner.view(sample, engine, now_ns, self.stall_thresholds, judgement, relay)
-        return await self.executor.on_pressure(episode, view)
-
-    def _note_stalled(self, sample: SocketSample, judgement: StallJudgement) -> None:
-        timeline = self.timelines.of(connection_id(sample.local, sample.remote))
-        if not any(e["event"] == "stalled" for e in timeline.entries):
-            timeline.add(judgement.since_ns, "stall_conditions_began")
-            timeline.add(
-                time.monotonic_ns(),
-                "stalled",
-                required_seconds=round(judgement.required_ns / 1e9, 3),
-                evidence=judgement.evidence(self.stall_thresholds),
-            )
-
-    def _stall_ended(self, episode: Episode | None, now_ns: int) -> None:
-        """The stall of `episode` is over (progress, lapsed conditions, or the socket gone):
-        its length goes to the duration histogram."""
-        if episode is not None and episode.stalled_since_ns:
-            self.durations.stall_ended(max(0.0, (now_ns - episode.stalled_since_ns) / 1e9))
-            episode.stalled_since_ns = 0
-
     def _gone(self, sample: SocketSample, now_ns: int) -> None:
         """The socket closed: the one place where all that is kept about it ends."""
-        key = sample.key
-        self._samples.pop(key, None)
-        self.feed_ledger.forget(key)
-        self._zero_window_started.pop(key, None)
-        self.stall_timers.forget(key)
-        self.actions.checked.forget(key)
-        self._stall_ended(self.episodes.end(connection_key(sample)), now_ns)
+        self._samples.pop(sample.key, None)
+        self.feed_ledger.forget(sample.key)
+        self.runner.gone(sample, now_ns)
 
     def _on_stream_change(self, request_id: str, stream: EngineStream | None) -> None:
         if stream is not None:
@@ -378,10 +342,13 @@ class Daemon:
             )
             return
         ended = self._live.pop(request_id, None)
-        if ended is not None:
-            timeline = self.timelines.find(request_id)
-            if timeline is not None and not timeline.closed:
-                timeline.add(time.monotonic_ns(), "engine_closed_stream")
+        if ended is None:
+            return
+        unread = self.runner.meter.unread_tokens(ended.local, ended.remote, ended.tokens_out)
+        self.unread_tokens_at_end += unread or 0
+        timeline = self.timelines.find(request_id)
+        if timeline is not None and not timeline.closed:
+            timeline.add(time.monotonic_ns(), "engine_closed_stream", unread_tokens=unread)
 
     def _resumed(self, stream: EngineStream) -> None:
         """A parked request runs again: counted, and on its timeline."""

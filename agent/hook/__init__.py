@@ -1,4 +1,4 @@
-"""The engine hook: tells the kvwatch agent about an engine's streams, runs its cancels.
+"""The engine hook: tells the kvwatch agent about an engine's streams, runs its commands.
 
 Never imports torch. See docs/protocol.md for the wire protocol and `EngineHook` for use.
 """
@@ -10,6 +10,8 @@ from kvwatch.hookwire.types import (
     SOCKET_PATH_ENV,
     CancelHandler,
     CancelOutcome,
+    CommandHandler,
+    CommandOutcome,
 )
 
 __all__ = [
@@ -17,6 +19,8 @@ __all__ = [
     "SOCKET_PATH_ENV",
     "CancelHandler",
     "CancelOutcome",
+    "CommandHandler",
+    "CommandOutcome",
     "EngineHook",
     "EngineInfo",
 ]

@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvwatch.hookwire.commands import engine_command_counters
 from kvwatch.hookwire.counters import EventCounters
 from kvwatch.hookwire.protocol import Close, EngineInfo, Message, Open, Resumed, Update
 from kvwatch.sockets import Endpoint
@@ -23,25 +24,10 @@ COUNTER_NAMES = (
     "disconnects",
     "send_timeouts",
     "resyncs",
-    "cancels_received",
-    "cancels_answered",
-    "cancel_timeouts",
-    "cancel_handler_errors",
-    "cancels_refused_busy",
-    "cancel_answers_lost",
-    "parks_received",
-    "parks_answered",
-    "park_timeouts",
-    "park_handler_errors",
-    "parks_refused_busy",
-    "park_answers_lost",
+    *engine_command_counters(),
     "resumes",
-    "detaches_received",
-    "detaches_answered",
-    "detach_timeouts",
-    "detach_handler_errors",
-    "detaches_refused_busy",
-    "detach_answers_lost",
+    "lease_expiries",
+    "releases_without_agent",
     "malformed_received",
     "agent_errors_received",
     "internal_errors",
@@ -60,6 +46,7 @@ class _LiveStream:
     parked: bool = False
     resumes: int = 0
     detached: bool = False
+    paused: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,20 +129,35 @@ class StreamBook:
             stream = self._streams.get(request_id)
             return stream.resumes if stream is not None else 0
 
-    def answered(self, request_id: str, status: str, resumes_then: int) -> None:
-        """A command's answer is on its way: "parked" or "detached" marks the stream so that a
-        re-announce says so. A park answered after the request already resumed (its client
-        read at once; `resumes_then` is `resumes_of` when the park arrived) and a detach
-        answered after the stream's buffer was reported full (coupled again meanwhile) mark
-        nothing."""
+    def answered(self, request_id: str, status: str, resumes_then: int) -> bool:
+        """A command's answer is on its way: "parked", "detached" or "paused" marks the
+        stream (and "released" unmarks a pause) so that updates and a re-announce say so.
+        A park answered after the request already resumed (its client read at once;
+        `resumes_then` is `resumes_of` when the park arrived) and a detach answered after the
+        stream's buffer was reported full (coupled again meanwhile) mark nothing. False when
+        the stream is not live."""
         with self._lock:
             stream = self._streams.get(request_id)
             if stream is None:
-                return
+                return False
             if status == "parked":
                 stream.parked = stream.resumes == resumes_then
             elif status == "detached":
                 stream.detached = not stream.egress_buffer_full
+            elif status in ("paused", "released"):
+                stream.paused = status == "paused"
+            return True
+
+    def unpaused(self, request_id: str) -> None:
+        """The hook released the request itself (its lease ran out, or the agent went away):
+        queues an update that says it is no longer paused."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is None or not stream.paused:
+                return
+            stream.paused = False
+            if request_id not in self._update_queued and self._enqueue(_PendingUpdate(request_id)):
+                self._update_queued.add(request_id)
 
     def resumed(self, request_id: str, kv_blocks: int, recomputed_tokens: int) -> bool:
         """The parked request runs again; queues its `resumed`. False when it is not live."""
@@ -220,6 +222,7 @@ class StreamBook:
                             tokens_out=stream.tokens_out,
                             kv_estimated=stream.kv_estimated,
                             egress_buffer_full=stream.egress_buffer_full,
+                            paused=stream.paused,
                         )
                     )
         return messages
@@ -251,4 +254,5 @@ class StreamBook:
             age_ms=int((time.monotonic() - stream.opened_at) * 1000),
             parked=stream.parked,
             detached=stream.detached,
+            paused=stream.paused,
         )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kvwatch.errors import ProtocolError
 from kvwatch.hookwire.counters import EventCounters
 from kvwatch.hookwire.protocol import Answer, Command, plural
-from kvwatch.hookwire.types import CancelHandler, CancelOutcome
+from kvwatch.hookwire.types import CommandHandler, CommandOutcome
 
 MAX_COMMANDS_IN_FLIGHT = 32
 MAX_DETAIL_CHARS = 1000
@@ -44,7 +44,7 @@ class CommandRunner:
 
     def __init__(
         self,
-        handlers: dict[str, CancelHandler],
+        handlers: dict[str, CommandHandler],
         timeout_seconds: float,
         counters: EventCounters,
         wake: Callable[[], None],
@@ -113,7 +113,7 @@ class CommandRunner:
             self._counters.add(f"{pending.command.TYPE}_answers_lost")
         self._pending.clear()
 
-    def _run(self, ticket: int, command: Command, handler: CancelHandler) -> None:
+    def _run(self, ticket: int, command: Command, handler: CommandHandler) -> None:
         result: object
         try:
             result = handler(command.request_id, command.reason)
@@ -124,7 +124,7 @@ class CommandRunner:
 
     def _answer(self, command: Command, result: object) -> Answer:
         kind = command.TYPE
-        if isinstance(result, CancelOutcome):
+        if isinstance(result, CommandOutcome):
             try:
                 result = dataclasses.replace(
                     result, request_id=command.request_id, detail=result.detail[:MAX_DETAIL_CHARS]
@@ -135,7 +135,7 @@ class CommandRunner:
         elif isinstance(result, Exception):
             detail = f"{kind} handler raised {type(result).__name__}: {result}"
         else:
-            detail = f"{kind} handler returned {type(result).__name__}, not a CancelOutcome"
+            detail = f"{kind} handler returned {type(result).__name__}, not a CommandOutcome"
         self._counters.add(f"{kind}_handler_errors")
         _log.error("%s of %s failed: %s", kind, command.request_id, detail)
         return _failed(command, detail)

@@ -12,10 +12,12 @@ import time
 from kvwatch.errors import ConfigError, ProtocolError
 from kvwatch.hook.book import COUNTER_NAMES, StreamBook
 from kvwatch.hook.commands import CommandRunner
+from kvwatch.hook.holds import HoldKeeper
 from kvwatch.hook.session import Session, Waker
+from kvwatch.hookwire.commands import COMMAND_KINDS
 from kvwatch.hookwire.counters import EventCounters
-from kvwatch.hookwire.protocol import FEATURE_DETACH, FEATURE_PARK, EngineInfo
-from kvwatch.hookwire.types import CancelHandler, DetachHandler, ParkHandler, resolve_socket_path
+from kvwatch.hookwire.protocol import EngineInfo
+from kvwatch.hookwire.types import CommandHandler, CommandOutcome, resolve_socket_path
 from kvwatch.sockets import Endpoint
 
 CONNECT_TIMEOUT_SECONDS = 0.5
@@ -26,9 +28,15 @@ _log = logging.getLogger("kvwatch.hook")
 
 
 class EngineHook:
-    """Tells the kvwatch agent about the engine's streams and runs the agent's cancels (and
-    parks, for an engine that passes a `park_handler`, and detaches, for one that passes a
-    `detach_handler`: its hello then lists "park", "detach").
+    """Tells the kvwatch agent about the engine's streams and runs the agent's commands:
+    cancels, and, for an engine that passes their handlers, parks (`park_handler`), detaches
+    (`detach_handler`), pauses and releases (`pause_handler` and `release_handler`, both):
+    its hello then lists "park", "detach", "pause" (kvwatch.hookwire.commands).
+
+    A pause or a park that took effect holds its request for the lease the command asked
+    (kvwatch.hook.holds); the hook releases it itself through `release_handler` when the
+    agent does not renew it in time, and releases every held request when the agent's
+    connection ends: without the agent the engine runs as if kvwatch did not exist.
 
     The engine owns the hook; `stream_*` may be called from any thread (the event loop
     included) and never block on the agent: they update the live-stream book and queue a
@@ -43,11 +51,13 @@ class EngineHook:
     def __init__(
         self,
         info: EngineInfo,
-        cancel_handler: CancelHandler,
+        cancel_handler: CommandHandler,
         socket_path: str | None = None,
         *,
-        park_handler: ParkHandler | None = None,
-        detach_handler: DetachHandler | None = None,
+        park_handler: CommandHandler | None = None,
+        detach_handler: CommandHandler | None = None,
+        pause_handler: CommandHandler | None = None,
+        release_handler: CommandHandler | None = None,
         queue_size: int = 1024,
         reconnect_seconds: float = 1.0,
         cancel_timeout_seconds: float = 5.0,
@@ -64,16 +74,19 @@ class EngineHook:
         self.socket_path = resolve_socket_path(socket_path)
         self._reconnect_seconds = reconnect_seconds
         self._send_timeout_seconds = send_timeout_seconds
-        handlers: dict[str, CancelHandler] = {"cancel": cancel_handler}
-        # A feature is named after its command: "park" runs the park handler.
-        for feature, handler in ((FEATURE_PARK, park_handler), (FEATURE_DETACH, detach_handler)):
-            if handler is not None:
-                handlers[feature] = handler
-                features = (*[f for f in info.features if f != feature], feature)
-                info = dataclasses.replace(info, features=features)
+        given = {
+            "cancel": cancel_handler,
+            "park": park_handler,
+            "detach": detach_handler,
+            "pause": pause_handler,
+            "release": release_handler,
+        }
+        handlers = {name: handler for name, handler in given.items() if handler is not None}
+        info = dataclasses.replace(info, features=_features(info.features, handlers))
         self._counters = EventCounters(COUNTER_NAMES)
         self._book = StreamBook(info, queue_size, self._counters, self._wake)  # checks info
         self._commands = CommandRunner(handlers, cancel_timeout_seconds, self._counters, self._wake)
+        self._holds = HoldKeeper(release_handler, self._counters, self._released_by_hook)
         self._stop = threading.Event()
         self._waker: Waker | None = None
         self._thread: threading.Thread | None = None
@@ -165,6 +178,12 @@ class EngineHook:
         self._counters.add("dropped_invalid")
         _log.debug("%s ignored: %s", call, exc)
 
+    def _released_by_hook(self, request_id: str, outcome: CommandOutcome | None) -> None:
+        """A release the hook started itself (lease over, agent gone) is done: the agent
+        hears that the request is no longer paused."""
+        if outcome is not None and outcome.status == "released":
+            self._book.unpaused(request_id)
+
     def _wake(self) -> None:
         waker = self._waker
         if waker is not None:
@@ -207,6 +226,7 @@ class EngineHook:
                 sock,
                 self._book,
                 commands=self._commands,
+                holds=self._holds,
                 counters=self._counters,
                 waker=waker,
                 stop=self._stop,
@@ -251,3 +271,23 @@ def _endpoint(address: tuple[str, int]) -> Endpoint:
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"not a TCP port: {port!r}")
     return Endpoint(str(ip), port)
+
+
+def _features(announced: tuple[str, ...], handlers: dict[str, CommandHandler]) -> tuple[str, ...]:
+    """The hello's features: those the engine announced that name no command, and each
+    command feature whose every command has a handler (kvwatch.hookwire.commands). A feature
+    with handlers for only some of its commands is a ConfigError."""
+    command_features = {kind.feature for kind in COMMAND_KINDS.values() if kind.feature}
+    features = [feature for feature in announced if feature not in command_features]
+    for feature in sorted(command_features):
+        names = [kind.name for kind in COMMAND_KINDS.values() if kind.feature == feature]
+        given = [name for name in names if name in handlers]
+        if given and len(given) < len(names):
+            missing = ", ".join(name for name in names if name not in handlers)
+            raise ConfigError(
+                f"the {feature!r} feature needs a handler for each of {', '.join(names)}",
+                f"pass the {missing} handler too, or none of them",
+            )
+        if given:
+            features.append(feature)
+    return tuple(features)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from kvwatch.errors import ProtocolError
 from kvwatch.hook.book import StreamBook
 from kvwatch.hook.commands import CommandRunner
+from kvwatch.hook.holds import HoldKeeper
 from kvwatch.hookwire.counters import EventCounters
 from kvwatch.hookwire.protocol import (
     Answer,
@@ -78,6 +79,7 @@ class Session:
         book: StreamBook,
         *,
         commands: CommandRunner,
+        holds: HoldKeeper,
         counters: EventCounters,
         waker: Waker,
         stop: threading.Event,
@@ -86,6 +88,7 @@ class Session:
         self._sock = sock
         self._book = book
         self._commands = commands
+        self._holds = holds
         self._counters = counters
         self._waker = waker
         self._stop = stop
@@ -95,8 +98,9 @@ class Session:
         self._unsent_line_bytes: deque[int] = deque()
         self._waiting_since = 0.0
         self._events = selectors.EVENT_READ
-        # Each command in flight: its stream's resumes when it arrived (StreamBook.answered).
-        self._resumes_at: dict[str, int] = {}
+        # Each command in flight: its stream's resumes when it arrived (StreamBook.answered)
+        # and the lease it asks for (HoldKeeper).
+        self._arrived: dict[str, tuple[int, int]] = {}
 
     def run(self) -> str:
         """Serves the connection until it breaks or the hook stops; returns why it ended."""
@@ -114,12 +118,14 @@ class Session:
             selector.close()
             self._book.end_session()
             self._commands.abandon()
+            self._holds.release_all()
             self._sock.close()
 
     def _step(self, selector: selectors.BaseSelector) -> str | None:
         """Sends what is due, then waits for the socket, the waker or the next deadline."""
         now = time.monotonic()
         self._queue_messages(self._commands.poll(now))
+        self._holds.expire(now)
         self._refill()
         reason = self._flush(now)
         if reason is not None:
@@ -140,9 +146,9 @@ class Session:
     def _select_timeout(self) -> float:
         now = time.monotonic()
         deadlines = [now + MAX_SELECT_SECONDS]
-        command_deadline = self._commands.next_deadline()
-        if command_deadline is not None:
-            deadlines.append(command_deadline)
+        for deadline in self._commands.next_deadline(), self._holds.next_expiry():
+            if deadline is not None:
+                deadlines.append(deadline)
         if self._out:
             deadlines.append(self._waiting_since + self._send_timeout_seconds)
         return max(0.0, min(deadlines) - now)
@@ -165,7 +171,8 @@ class Session:
             self._counters.add("malformed_received")
             _log.debug("dropped a malformed message from the agent: %s", item)
         elif isinstance(item, Command):
-            self._resumes_at[item.correlation_id] = self._book.resumes_of(item.request_id)
+            lease_ms = getattr(item, "lease_ms", 0)
+            self._arrived[item.correlation_id] = (self._book.resumes_of(item.request_id), lease_ms)
             answer = self._commands.submit(item, time.monotonic())
             if answer is not None:
                 self._queue_messages([answer])
@@ -200,10 +207,16 @@ class Session:
                 self._note_answer(message)
 
     def _note_answer(self, answer: Answer) -> None:
-        """Counts an answer going out; a park or a detach that took effect marks its stream."""
+        """Counts an answer going out; one that took effect marks its stream (park, detach,
+        pause, release), and a pause or park that took effect holds the request for its
+        lease."""
         self._counters.add(f"{plural(answer.COMMAND)}_answered")
-        resumes_then = self._resumes_at.pop(answer.correlation_id, 0)
-        self._book.answered(answer.request_id, answer.status, resumes_then)
+        resumes_then, lease_ms = self._arrived.pop(answer.correlation_id, (0, 0))
+        live = self._book.answered(answer.request_id, answer.status, resumes_then)
+        if answer.status in ("paused", "parked") and live:
+            self._holds.hold(answer.request_id, lease_ms, time.monotonic())
+        elif answer.status == "released":
+            self._holds.drop(answer.request_id)
 
     def _flush(self, now: float) -> str | None:
         while self._out:

@@ -19,6 +19,7 @@ from kvwatch.hookwire.counters import EventCounters
 from kvwatch.hookwire.protocol import (
     FEATURE_DETACH,
     FEATURE_PARK,
+    FEATURE_PAUSE,
     Answer,
     Close,
     Command,
@@ -35,7 +36,7 @@ from kvwatch.hookwire.protocol import (
     encode,
     plural,
 )
-from kvwatch.hookwire.types import CancelOutcome
+from kvwatch.hookwire.types import CommandOutcome
 
 RECV_BYTES = 64 * 1024
 MAX_PENDING_OUT_BYTES = 256 * 1024
@@ -68,7 +69,7 @@ class _PendingCommand:
     (a park's answer then no longer says the request is parked)."""
 
     command: Command
-    answer: asyncio.Future[CancelOutcome]
+    answer: asyncio.Future[CommandOutcome]
     resumed: bool = False
 
 
@@ -134,7 +135,7 @@ class EngineConnection:
         """Ends the connection at once; `serve` then forgets its streams and returns."""
         self._writer.transport.abort()
 
-    async def command(self, command: Command, timeout_seconds: float) -> CancelOutcome:
+    async def command(self, command: Command, timeout_seconds: float) -> CommandOutcome:
         """Sends one command and waits for its answer (the `OUTCOME` of the command's answer
         type); a missing answer is `failed`."""
         kind = command.TYPE
@@ -143,7 +144,7 @@ class EngineConnection:
         except ProtocolError as exc:
             self._counters.add(f"{kind}_send_failures")
             return _failed(command, f"{kind} not sent: {exc.message}")
-        answer: asyncio.Future[CancelOutcome] = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[CommandOutcome] = asyncio.get_running_loop().create_future()
         self._pending[command.correlation_id] = _PendingCommand(command, answer)
         try:
             if not self._write(line):
@@ -238,6 +239,8 @@ class EngineConnection:
             parked=message.parked,
             can_detach=hello.can(FEATURE_DETACH),
             detached=message.detached,
+            can_pause=hello.can(FEATURE_PAUSE),
+            paused=message.paused,
         )
         self._gone_by_cancel.pop(message.request_id, None)
         if not self._registry.open(self.connection_id, stream):
@@ -252,7 +255,9 @@ class EngineConnection:
     def _update(self, message: Update) -> None:
         self._counters.add("updates")
         request_id = message.request_id
-        coupled_again = {"detached": False} if message.egress_buffer_full else {}
+        changes: dict[str, bool] = {"detached": False} if message.egress_buffer_full else {}
+        if self.hello is not None and self.hello.can(FEATURE_PAUSE):
+            changes["paused"] = message.paused
         known = self._registry.update(
             self.connection_id,
             request_id,
@@ -260,7 +265,7 @@ class EngineConnection:
             tokens_out=message.tokens_out,
             kv_estimated=message.kv_estimated,
             egress_buffer_full=message.egress_buffer_full,
-            **coupled_again,
+            **changes,
         )
         if not known and request_id not in self._gone_by_cancel:
             self._counters.add("unknown_request_events")
@@ -306,7 +311,8 @@ class EngineConnection:
     def _took_effect(self, message: Answer, resumed: bool) -> None:
         """What an answer says about its stream, whoever waits: parked (unless the request
         `resumed` before the answer came), detached (unless an update already said its
-        buffer is full: coupled again), or gone — forgotten now, its close expected."""
+        buffer is full: coupled again), paused or released, or gone — forgotten now, its
+        close expected."""
         request_id = message.request_id
         if message.status == "parked" and not resumed:
             self._registry.update(
@@ -315,6 +321,12 @@ class EngineConnection:
         elif message.status == "detached" and (stream := self._registry.get(request_id)):
             detached = not stream.egress_buffer_full
             self._registry.update(self.connection_id, request_id, detached=detached)
+        elif message.status == "paused":
+            self._registry.update(self.connection_id, request_id, paused=True)
+        elif message.status == "released":  # a parked one has its KV back later: `resumed`
+            self._registry.update(
+                self.connection_id, request_id, paused=False, parked=False, parked_blocks=0
+            )
         gone = message.status in GONE_STATUSES
         if gone and self._registry.remove(self.connection_id, request_id):
             self._gone_by_cancel[request_id] = None
@@ -364,5 +376,5 @@ class EngineConnection:
             pass
 
 
-def _failed(command: Command, detail: str) -> CancelOutcome:
-    return command.ANSWER.OUTCOME(command.request_id, "failed", 0, 0, detail=detail)
+def _failed(command: Command, detail: str) -> CommandOutcome:
+    return CommandOutcome(command.request_id, "failed", detail=detail)

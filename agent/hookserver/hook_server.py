@@ -23,9 +23,10 @@ from kvwatch.hookserver.registry import (
     EngineStream,
     StreamRegistry,
 )
+from kvwatch.hookwire.commands import command_kind
 from kvwatch.hookwire.counters import EventCounters
-from kvwatch.hookwire.protocol import Cancel, Command, Detach, Park, plural
-from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
+from kvwatch.hookwire.protocol import plural
+from kvwatch.hookwire.types import CommandOutcome
 from kvwatch.sockets import Endpoint
 
 __all__ = ["EngineStream", "HookServer"]
@@ -63,7 +64,7 @@ class _Admitted:
 
 class HookServer:
     """Listens on the engine socket, tracks the streams engines announce, sends them commands
-    (cancel, park, detach).
+    (kvwatch.hookwire.commands: cancel, park, detach, pause, release).
 
     The daemon owns the server and uses it from one event loop only. Each accepted connection
     is checked with SO_PEERCRED: its uid must be root or on `allowed_uids`, else it gets an
@@ -189,71 +190,46 @@ class HookServer:
             and (hello := connection.hello) is not None
         ]
 
-    async def cancel(
+    async def command(
         self,
+        name: str,
         request_id: str,
         reason: str,
         evidence: Mapping[str, object],
         timeout_seconds: float = 2.0,
-    ) -> CancelOutcome:
-        """Asks the engine owning the stream to cancel it; returns the engine's outcome.
+        *,
+        lease_ms: int = 0,
+    ) -> CommandOutcome:
+        """Sends the command called `name` (a row of kvwatch.hookwire.commands.COMMAND_KINDS:
+        cancel, park, detach, pause, release) to the engine that announced the request;
+        returns the engine's outcome (docs/protocol.md says what each status means).
+        `lease_ms` is a pause's or a park's lease (0: the engine hook's default).
 
         Unknown request: `unknown_request` without sending anything. No answer in time or the
-        engine disconnecting: `failed` (the KV must be assumed still held).
+        engine disconnecting: `failed` (what the command would have freed must be assumed
+        still held). ValueError for a command name that is not in the table.
         """
-        return await self._command(Cancel, request_id, reason, evidence, timeout_seconds)
-
-    async def park(
-        self,
-        request_id: str,
-        reason: str,
-        evidence: Mapping[str, object],
-        timeout_seconds: float = 2.0,
-    ) -> CancelOutcome:
-        """Asks the engine owning the stream to park it (free its KV, keep the request);
-        the outcomes as for `cancel`, plus `parked` and `declined`."""
-        return await self._command(Park, request_id, reason, evidence, timeout_seconds)
-
-    async def detach(
-        self,
-        request_id: str,
-        reason: str,
-        evidence: Mapping[str, object],
-        timeout_seconds: float = 2.0,
-    ) -> DetachOutcome:
-        """Asks the engine owning the stream to detach it from its client (its output goes to
-        a bounded host buffer, its generation runs on and frees the KV when it ends); the
-        outcomes as for `park`, with `detached` and the bytes buffered at that moment."""
-        outcome = await self._command(Detach, request_id, reason, evidence, timeout_seconds)
-        assert isinstance(outcome, DetachOutcome), "a detach's outcomes are Detached.OUTCOME"
-        return outcome
-
-    async def _command(
-        self,
-        kind: type[Command],
-        request_id: str,
-        reason: str,
-        evidence: Mapping[str, object],
-        timeout_seconds: float,
-    ) -> CancelOutcome:
+        kind = command_kind(name)
         if timeout_seconds <= 0:
             raise ConfigError(
-                f"{kind.TYPE} timeout must be positive, got {timeout_seconds}", "pass seconds > 0"
+                f"{name} timeout must be positive, got {timeout_seconds}", "pass seconds > 0"
             )
         owner = self._registry.owner_of(request_id)
         admitted = self._admitted.get(owner) if owner is not None else None
         connection = admitted.connection if admitted is not None else None
         if connection is None:
-            self._counters.add(f"{plural(kind.TYPE)}_unknown_request")
-            return kind.ANSWER.OUTCOME(
-                request_id, "unknown_request", 0, 0, detail="no connected engine announced it"
+            self._counters.add(f"{plural(name)}_unknown_request")
+            return CommandOutcome(
+                request_id, "unknown_request", detail="no connected engine announced it"
             )
-        correlation_id = f"{kind.TYPE[0]}-{next(self._correlation_ids)}"
-        command = kind(
+        correlation_id = f"{name[0]}-{next(self._correlation_ids)}"
+        lease = {"lease_ms": lease_ms} if lease_ms else {}
+        command = kind.command(
             request_id=request_id,
             reason=reason,
             correlation_id=correlation_id,
             evidence=dict(evidence),
+            **lease,
         )
         return await connection.command(command, timeout_seconds)
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvwatch.hookwire.commands import agent_command_counters
 from kvwatch.hookwire.counters import EventCounters
 from kvwatch.sockets import Endpoint
 
@@ -37,28 +38,8 @@ COUNTER_NAMES = (
     "updates",
     "closes",
     "unknown_request_events",
-    "cancels_sent",
-    "cancels_answered",
-    "cancel_timeouts",
-    "cancels_lost",
-    "cancels_unknown_request",
-    "cancel_send_failures",
-    "parks_sent",
-    "parks_answered",
-    "park_timeouts",
-    "parks_lost",
-    "parks_unknown_request",
-    "park_send_failures",
+    *agent_command_counters(),
     "resumes",
-    "detaches_sent",
-    "detaches_answered",
-    "detach_timeouts",
-    "detaches_lost",
-    "detaches_unknown_request",
-    "detach_send_failures",
-    "unmatched_cancel_answers",
-    "unmatched_park_answers",
-    "unmatched_detach_answers",
     "send_overflows",
     "callback_errors",
     "internal_errors",
@@ -83,6 +64,8 @@ class EngineStream:
     `can_detach` says its engine can detach a stream from its client (hello `features`),
     `detached` that this one is now: its output goes to a host buffer and its generation runs
     on; cleared when an update reports that buffer full (the stream is coupled again).
+    `can_pause` says its engine can pause and release requests (hello `features`), `paused`
+    that this one is held now: it gets no decode steps (a parked request is paused too).
     """
 
     request_id: str
@@ -104,6 +87,8 @@ class EngineStream:
     parked_blocks: int = 0
     can_detach: bool = False
     detached: bool = False
+    can_pause: bool = False
+    paused: bool = False
 
     @property
     def kv_bytes(self) -> int:

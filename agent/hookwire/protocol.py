@@ -18,7 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Literal, get_type_hints
 
 from kvwatch.errors import ProtocolError
-from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
+from kvwatch.hookwire.types import CommandOutcome
 from kvwatch.sockets import Endpoint
 
 
@@ -39,9 +39,12 @@ MAX_NESTING = 4
 CANCEL_STATUSES = ("cancelled", "unknown_request", "already_finished", "failed")
 PARK_STATUSES = ("parked", "unknown_request", "already_finished", "declined", "failed")
 DETACH_STATUSES = ("detached", "unknown_request", "already_finished", "declined", "failed")
+PAUSE_STATUSES = ("paused", "unknown_request", "already_finished", "declined", "failed")
+RELEASE_STATUSES = ("released", "unknown_request", "already_finished", "not_held", "failed")
 # What an engine can do besides cancel, as it says in `hello.features`.
 FEATURE_PARK = "park"
 FEATURE_DETACH = "detach"
+FEATURE_PAUSE = "pause"  # pause and release
 MAX_FEATURES = 16
 
 Sender = Literal["engine", "agent"]
@@ -129,6 +132,7 @@ class Open(Message):
     age_ms: int = 0
     parked: bool = False
     detached: bool = False
+    paused: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,9 @@ class Update(Message):
     """Engine → agent: the request's current KV blocks and tokens streamed so far.
 
     Optional: `kv_estimated` as in `Open`; `egress_buffer_full` when the engine's per-request
-    output buffer is at its cap because the client does not read (evidence of a stall).
+    output buffer is at its cap because the client does not read (evidence of a stall);
+    `paused` whether the request is paused now (an engine with the "pause" feature sends it:
+    a pause whose lease ran out ends without a word from the agent).
     """
 
     TYPE: ClassVar[str] = "update"
@@ -145,6 +151,7 @@ class Update(Message):
     tokens_out: int
     kv_estimated: bool = False
     egress_buffer_full: bool = False
+    paused: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,13 +166,12 @@ class Close(Message):
 @dataclass(frozen=True)
 class Answer(Message):
     """Engine → agent: the outcome of one command, sent once it took effect (blocks really
-    free); `status` is one of the type's `STATUSES`. Both sides speak of it as an `OUTCOME`
-    (the engine's handler returns one, the agent's command call gets one): the answer's
-    fields but the correlation id."""
+    free); `status` is one of the type's `STATUSES`. Both sides speak of it as a
+    `CommandOutcome` (the engine's handler returns one, the agent's command call gets one):
+    the answer's fields but the correlation id."""
 
     STATUSES: ClassVar[tuple[str, ...]] = ()
     COMMAND: ClassVar[str] = ""  # the type of the command it answers
-    OUTCOME: ClassVar[type[CancelOutcome]] = CancelOutcome
     request_id: str
     status: str
     freed_blocks: int
@@ -182,16 +188,19 @@ class Answer(Message):
             )
 
     @classmethod
-    def of(cls, outcome: CancelOutcome, correlation_id: str) -> Answer:
+    def of(cls, outcome: CommandOutcome, correlation_id: str) -> Answer:
         """The answer that carries a handler's `outcome`; ProtocolError if a field is out of
         range. Outcome fields this answer type lacks are left out."""
         names = {f.name for f in fields(cls)}
         values = {f.name: getattr(outcome, f.name) for f in fields(outcome) if f.name in names}
         return cls(correlation_id=correlation_id, **values)
 
-    def outcome(self) -> CancelOutcome:
-        """This answer as its `OUTCOME` type, for whoever waits on the command."""
-        return self.OUTCOME(**{f.name: getattr(self, f.name) for f in fields(self.OUTCOME)})
+    def outcome(self) -> CommandOutcome:
+        """This answer as a `CommandOutcome`, for whoever waits on the command."""
+        names = {f.name for f in fields(self)}
+        return CommandOutcome(
+            **{f.name: getattr(self, f.name) for f in fields(CommandOutcome) if f.name in names}
+        )
 
 
 def plural(command: str) -> str:
@@ -241,7 +250,6 @@ class Detached(Answer):
     TYPE: ClassVar[str] = "detached"
     COMMAND: ClassVar[str] = "detach"
     STATUSES: ClassVar[tuple[str, ...]] = DETACH_STATUSES
-    OUTCOME: ClassVar[type[CancelOutcome]] = DetachOutcome
     buffered_bytes: int = 0
 
 
@@ -255,12 +263,14 @@ class Cancel(Command):
 
 @dataclass(frozen=True)
 class Park(Command):
-    """Agent → engine: free this request's KV now but keep the request and its connection;
-    the engine resumes it once its client reads again. Answered by one `Parked`; sent only
+    """Agent → engine: free this request's KV now but keep the request and its connection,
+    until a `release` (an engine without FEATURE_PAUSE resumes it once its client reads
+    again). The hold's lease is a pause's (`lease_ms`). Answered by one `Parked`; sent only
     to an engine whose hello lists FEATURE_PARK."""
 
     TYPE: ClassVar[str] = "park"
     ANSWER: ClassVar[type[Answer]] = Parked
+    lease_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -272,6 +282,49 @@ class Detach(Command):
 
     TYPE: ClassVar[str] = "detach"
     ANSWER: ClassVar[type[Answer]] = Detached
+
+
+@dataclass(frozen=True)
+class Paused(Answer):
+    """Engine → agent: the outcome of a pause: the request gets no more decode steps and
+    keeps its KV and its place, until released (docs/protocol.md, "Pause and release")."""
+
+    TYPE: ClassVar[str] = "paused"
+    COMMAND: ClassVar[str] = "pause"
+    STATUSES: ClassVar[tuple[str, ...]] = PAUSE_STATUSES
+
+
+@dataclass(frozen=True)
+class Released(Answer):
+    """Engine → agent: the outcome of a release: a paused request is scheduled again; a
+    parked one goes to the head of the queue and sends `resumed` once its KV is back."""
+
+    TYPE: ClassVar[str] = "released"
+    COMMAND: ClassVar[str] = "release"
+    STATUSES: ClassVar[tuple[str, ...]] = RELEASE_STATUSES
+
+
+@dataclass(frozen=True)
+class Pause(Command):
+    """Agent → engine: schedule no more decode steps for this request, keeping its KV and
+    its place, until a `release` (its reader is behind). The hold lasts `lease_ms` (0: the
+    engine hook's default) unless another pause or park of the request renews it; when it
+    runs out, or the agent's connection ends, the engine hook releases the request itself.
+    Answered by one `Paused`; sent only to an engine whose hello lists FEATURE_PAUSE."""
+
+    TYPE: ClassVar[str] = "pause"
+    ANSWER: ClassVar[type[Answer]] = Paused
+    lease_ms: int = 0
+
+
+@dataclass(frozen=True)
+class Release(Command):
+    """Agent → engine: end this request's pause or park (its reader caught up): it is
+    scheduled again. Answered by one `Released`; sent only to an engine whose hello lists
+    FEATURE_PAUSE."""
+
+    TYPE: ClassVar[str] = "release"
+    ANSWER: ClassVar[type[Answer]] = Released
 
 
 @dataclass(frozen=True)
@@ -302,6 +355,10 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Resumed,
         Detach,
         Detached,
+        Pause,
+        Paused,
+        Release,
+        Released,
     )
 }
 

@@ -17,43 +17,34 @@ def resolve_socket_path(socket_path: str | None) -> str:
 
 
 @dataclass(frozen=True)
-class CancelOutcome:
-    """The engine's answer to a cancel or a park, given only after the freed blocks are
-    really free.
+class CommandOutcome:
+    """The engine's answer to one command of the agent's (kvwatch.hookwire.protocol,
+    COMMAND_KINDS: cancel, park, detach), given once it took effect: blocks it frees are
+    really free by then.
 
-    `status` is one of "cancelled", "unknown_request", "already_finished", "failed" for a
-    cancel, and one of "parked", "unknown_request", "already_finished", "declined", "failed"
-    for a park (docs/protocol.md); `detail` says, for humans, why nothing was freed.
+    `status` is one of the statuses of the command's answer type (docs/protocol.md): the
+    command's own word when it did what it asks ("cancelled", "parked", "detached"), else
+    "unknown_request", "already_finished", "declined" or "failed"; `detail` says, for humans,
+    why it did not. `freed_blocks` and `freed_bytes` are what it returned to the pool at once
+    (a cancel, a park; 0 for the others); `buffered_bytes` what a detach's host buffer held
+    as it detached (0 for the others).
     """
 
     request_id: str
     status: str
-    freed_blocks: int
-    freed_bytes: int
+    freed_blocks: int = 0
+    freed_bytes: int = 0
     detail: str = ""
-
-
-ParkOutcome = CancelOutcome
-"""A park's answer has a cancel's fields; the name says which one a handler returns."""
-
-
-@dataclass(frozen=True)
-class DetachOutcome(CancelOutcome):
-    """The engine's answer to a detach: `status` is one of "detached", "unknown_request",
-    "already_finished", "declined", "failed"; a detach frees nothing at once (the KV goes when
-    the generation ends), so `freed_blocks` and `freed_bytes` are 0; `buffered_bytes` is what
-    the stream's host buffer held when it detached (the send it adopted)."""
-
     buffered_bytes: int = 0
 
 
-CancelHandler = Callable[[str, str], CancelOutcome]
-"""(request_id, reason) -> outcome; runs on a hook worker thread, may block until its timeout."""
+CancelOutcome = CommandOutcome
+"""The name engines wrote their cancel handlers against before every command shared one
+outcome type (kvwatch.hook exports it); the same class."""
 
-ParkHandler = Callable[[str, str], ParkOutcome]
-"""(request_id, reason) -> outcome, like a cancel handler: frees the request's KV now, keeps
-the request and its connection, and resumes it once its client reads again."""
+CommandHandler = Callable[[str, str], CommandOutcome]
+"""(request_id, reason) -> outcome; the engine's handler for one command. Runs on a hook
+worker thread and may block until its timeout (docs/protocol.md, "Cancel is two-phase")."""
 
-DetachHandler = Callable[[str, str], DetachOutcome]
-"""(request_id, reason) -> outcome, like a cancel handler: from now on the request's output
-goes to a bounded host buffer, so its generation no longer waits for its client."""
+CancelHandler = CommandHandler
+"""The handler type under the name kvwatch.hook exports it by."""

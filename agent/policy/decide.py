@@ -5,7 +5,7 @@ keeps the budget they draw on. No I/O: kvwatch.act carries the decision out and 
 from __future__ import annotations
 
 from kvwatch.config import PolicyConfig
-from kvwatch.policy.park import decide_park
+from kvwatch.policy.hold import HoldSituation, decide_hold
 from kvwatch.policy.rules import CancelBudget, Candidate, Decision, Owner, decide
 from kvwatch.streams.view import StreamView
 
@@ -21,6 +21,7 @@ TRANSIENT_REASONS = {
     "unconfirmed",
     "relayed",  # the client socket that decides for it may go, leaving it to be judged alone
     "no_kv_held",  # a park's: the request gets its blocks once admitted
+    "not_yet",  # a park's: held or behind, not for park_seconds yet
 }
 
 
@@ -61,6 +62,9 @@ def candidate_of(view: StreamView) -> Candidate:
         parked_kv_bytes=engine.parked_blocks * engine.bytes_per_block if engine else 0,
         can_detach=engine is not None and engine.can_detach,
         detached=engine is not None and engine.detached,
+        can_pause=engine is not None and engine.can_pause,
+        paused=engine is not None and engine.paused,
+        kv_estimated=engine is not None and engine.kv_estimated,
     )
 
 
@@ -84,7 +88,7 @@ class Decider:
     def decide(self, view: StreamView) -> Decision:
         return decide(candidate_of(view), self.policy, self.budget, view.now_ns / 1e9)
 
-    def decide_park(self, view: StreamView) -> Decision:
-        """Whether to park (or detach) the stream now (kvwatch.policy.park); takes no
-        budget."""
-        return decide_park(candidate_of(view), self.policy)
+    def decide_hold(self, view: StreamView, now: HoldSituation) -> Decision:
+        """Whether to pause, park, detach or release the stream now (kvwatch.policy.hold);
+        takes no budget."""
+        return decide_hold(candidate_of(view), now, self.policy)

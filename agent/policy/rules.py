@@ -70,9 +70,10 @@ class Candidate:
     it can be cancelled. `relay` is the proxy that writes the socket and `relay_status` how
     its upstream joined the request (kvwatch.streams.relay); for the engine's own socket
     behind a proxy, the proxy that reads it and "relayed"; both None for a socket no relay
-    writes or reads. `can_park` says the engine can park the request (kvwatch.policy.park),
+    writes or reads. `can_park` says the engine can park the request (kvwatch.policy.hold),
     `parked` that it is parked now, `parked_kv_bytes` the KV its park freed (taken back on
-    resume); `can_detach` and `detached` the same for a detach.
+    resume); `can_detach` and `detached`, `can_pause` and `paused` the same for a detach and
+    a pause; `kv_estimated` that `kv_bytes` is the engine hook's estimate.
     """
 
     request_id: str | None
@@ -94,10 +95,19 @@ class Candidate:
     parked_kv_bytes: int = 0
     can_detach: bool = False
     detached: bool = False
+    can_pause: bool = False
+    paused: bool = False
+    kv_estimated: bool = False
 
     @property
     def owner(self) -> Owner:
         return Owner(self.comm, self.cgroup_path, self.container_id, self.pod_uid)
+
+    @property
+    def kv_unknown(self) -> bool:
+        """The engine cannot tell the KV it holds: an estimate of no blocks (an ASGI app
+        whose KV geometry is not configured). Unknown is not zero."""
+        return self.kv_estimated and not self.kv_bytes
 
     @property
     def claimed_kv_bytes(self) -> int | None:

@@ -12,6 +12,7 @@ from kvwatch.collect.gpu import GpuProcessUse
 from kvwatch.collect.procfs import ProcessInfo
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.sockets import SocketSample
+from kvwatch.streams.backlog import Backlog, backlog_of
 from kvwatch.streams.relay import RelayLink
 from kvwatch.streams.states import StallJudgement, StallThresholds, StreamState, judge, state_of
 
@@ -21,12 +22,20 @@ def socket_json(
     now_ns: int,
     thresholds: StallThresholds,
     judgement: StallJudgement | None = None,
+    backlog: Backlog | None = None,
+    *,
+    feeder: bool = True,
 ) -> dict[str, Any]:
     """One socket as the `kvwatch sockets --json` contract spells it (plus a few extras).
     `stalled_seconds` is how long every stall condition has held, `stall_required_seconds`
     how long they must hold before the socket is `stalled` (null when they do not hold), and
-    `stall_evidence` what the judge based that on (docs/collector.md)."""
+    `stall_evidence` what the judge based that on (docs/collector.md); `backlog` what its
+    reader has not read (kvwatch.streams.backlog: in seconds only where the agent measured
+    the stream's rate); `feeder` the socket it relays, unless `feeder` is False (the agent's
+    relay join found the kernel's pairing to be no relay: a server reading one client and
+    writing another)."""
     verdict = judgement if judgement is not None else judge(sample, now_ns, thresholds)
+    unread = backlog if backlog is not None else backlog_of(sample)
     return {
         "local": str(sample.local),
         "remote": str(sample.remote),
@@ -59,7 +68,8 @@ def socket_json(
         "peer_rwnd_max": sample.peer_rwnd_max,
         "netns": sample.netns,
         "inode": sample.inode,
-        "feeder": feeder_json(sample, now_ns),
+        "feeder": feeder_json(sample, now_ns) if feeder else None,
+        "backlog": unread.to_json(),
     }
 
 
@@ -87,7 +97,8 @@ class StreamView:
     `relayed` link to the proxy's client socket that decides for it. `process` is the
     engine's (else the socket owner's), and `relay_process` the relaying process's.
     `action_failed` names the actions of this stall episode that failed after their last
-    try (kvwatch.act.carry), None when none did."""
+    try (kvwatch.act.carry), None when none did; `backlog` what its reader has not read, at
+    the stream's measured rate (None: judged from the sample alone)."""
 
     sample: SocketSample
     judgement: StallJudgement
@@ -100,6 +111,7 @@ class StreamView:
     relay: RelayLink | None = None
     relay_process: ProcessInfo | None = None
     action_failed: dict[str, Any] | None = None
+    backlog: Backlog | None = None
 
     @property
     def opened_ns(self) -> int:
@@ -128,9 +140,21 @@ class StreamView:
             return None
         return self.relay.chain(self.engine.request_id if self.engine else None)
 
+    def socket_row(self) -> dict[str, Any]:
+        """The socket as `kvwatch sockets --json` spells it, with what the join knows: the
+        backlog at the stream's rate, and the feeder only where it makes a relay link."""
+        return socket_json(
+            self.sample,
+            self.now_ns,
+            self.thresholds,
+            self.judgement,
+            self.backlog,
+            feeder=self.relay is not None,
+        )
+
     def to_json(self) -> dict[str, Any]:
         """The `kvwatch streams --json` contract: the socket plus the join."""
-        row = socket_json(self.sample, self.now_ns, self.thresholds, self.judgement)
+        row = self.socket_row()
         engine = self.engine
         row.update(
             request_id=engine.request_id if engine else None,
@@ -140,6 +164,7 @@ class StreamView:
             kv_bytes=self.kv_bytes,
             kv_estimated=engine.kv_estimated if engine else None,
             parked=engine.parked if engine else None,
+            paused=engine.paused if engine else None,
             parked_kv_bytes=engine.parked_blocks * engine.bytes_per_block if engine else None,
             detached=engine.detached if engine else None,
             gpu=[

@@ -22,18 +22,19 @@ STATE_STYLES = {
 
 
 def state_label(row: dict[str, Any]) -> str:
-    """The stream's state, whether its request is parked (its KV freed, the request kept)
-    or detached (its output buffered on the host), and whether its action failed on every
-    try (`action_failed`)."""
+    """The stream's state, whether its request is parked (its KV freed, the request kept),
+    paused (no decode steps, its KV kept) or detached (its output buffered on the host), and
+    whether its action failed on every try (`action_failed`)."""
     state = str(row.get("state", "?"))
     marks = [
         mark
         for key, mark in (
             ("parked", "parked"),
+            ("paused", "paused"),
             ("detached", "detached"),
             ("action_failed", "action failed"),
         )
-        if row.get(key)
+        if row.get(key) and not (key == "paused" and row.get("parked"))
     ]
     return f"{state} ({', '.join(marks)})" if marks else state
 
@@ -50,6 +51,18 @@ def human_bytes(count: int) -> str:
 ESTIMATE_MARK = " (est.)"
 
 
+def behind_text(row: dict[str, Any]) -> str:
+    """What the stream's reader has not read: seconds of its output where the agent measured
+    its rate, else bytes; "-" when nothing is unread."""
+    backlog = row.get("backlog")
+    if not isinstance(backlog, dict) or not backlog.get("bytes"):
+        return "-"
+    seconds = backlog.get("seconds")
+    if isinstance(seconds, int | float):
+        return f"{seconds:.1f}s"
+    return human_bytes(int(backlog["bytes"]))
+
+
 def kv_text(row: dict[str, Any]) -> str:
     """A stream row's KV bytes for people: "-" when unknown, marked when an estimate."""
     kv_bytes = row.get("kv_bytes")
@@ -60,8 +73,8 @@ def kv_text(row: dict[str, Any]) -> str:
 
 def sockets_table(rows: list[dict[str, Any]]) -> Table:
     """`socket_json` rows as a table that fits 80 columns: the local side shows only its port
-    (the server's, usually); ZW is the current zero-window episode and STUCK the time
-    without ACK progress, in seconds."""
+    (the server's, usually); ZW is the current zero-window episode, BEHIND what the reader
+    has not read (`behind_text`) and STUCK the time without ACK progress, in seconds."""
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
     for header, justify in (
         ("PID/COMM", "left"),
@@ -71,6 +84,7 @@ def sockets_table(rows: list[dict[str, Any]]) -> Table:
         ("RWND", "right"),
         ("ZW", "right"),
         ("PEND", "right"),
+        ("BEHIND", "right"),
         ("STUCK", "right"),
     ):
         table.add_column(header, justify=justify, no_wrap=True)  # type: ignore[arg-type]
@@ -87,6 +101,7 @@ def sockets_table(rows: list[dict[str, Any]]) -> Table:
             rwnd,
             f"{row['zero_window_seconds']:.1f}",
             human_bytes(row["notsent_bytes"] + row["unacked_bytes"]),
+            behind_text(row),
             f"{row['no_progress_seconds']:.1f}",
         )
     return table

@@ -16,7 +16,13 @@ from rich.table import Table
 from rich.text import Text
 
 from kvwatch.streams.states import StreamState
-from kvwatch.tools.tables import ESTIMATE_MARK, STATE_STYLES, human_bytes, state_label
+from kvwatch.tools.tables import (
+    ESTIMATE_MARK,
+    STATE_STYLES,
+    behind_text,
+    human_bytes,
+    state_label,
+)
 from kvwatch.top.model import Frame, Header, Row, RowFilter, fill_fraction
 
 COLUMN_GAP = 1
@@ -94,17 +100,18 @@ class Column:
 
 # Display order; importance decides what narrow terminals keep.
 COLUMNS = (
-    Column("PID/COMM", 5, _owner, "left"),
+    Column("PID/COMM", 6, _owner, "left"),
     Column("CONNECTION", 2, _connection, "left"),
     Column("REQUEST", 3, _request, "left"),
     Column("STATE", 1, state_label, "left"),
-    Column("FILL", 6, lambda r: f"{fill_fraction(r):.0%}"),
-    Column("RWND", 7, _window),
-    Column("ZW", 8, lambda r: _seconds(r.get("zero_window_seconds"))),
-    Column("NSENT/UNACK", 10, _pending),
-    Column("SRTT", 11, _srtt),
+    Column("FILL", 7, lambda r: f"{fill_fraction(r):.0%}"),
+    Column("BEHIND", 5, behind_text),
+    Column("RWND", 8, _window),
+    Column("ZW", 9, lambda r: _seconds(r.get("zero_window_seconds"))),
+    Column("NSENT/UNACK", 11, _pending),
+    Column("SRTT", 12, _srtt),
     Column("KV", 4, _kv),
-    Column("AGE", 9, lambda r: _seconds(r.get("age_seconds"))),
+    Column("AGE", 10, lambda r: _seconds(r.get("age_seconds"))),
 )
 
 
@@ -157,6 +164,7 @@ def _gpu_text(header: Header) -> str:
 def header_lines(header: Header, rows: list[Row], shown: int) -> list[Text]:
     stalled = sum(1 for row in rows if row.get("state") == StreamState.STALLED.value)
     parked = sum(1 for row in rows if row.get("parked"))
+    paused = sum(1 for row in rows if row.get("paused") and not row.get("parked"))
     kv = header.stalled_kv_bytes
     cancels = header.cancels_per_minute
     points = " ".join(
@@ -168,7 +176,8 @@ def header_lines(header: Header, rows: list[Row], shown: int) -> list[Text]:
         Text.assemble(
             f"streams {len(rows)} · ",
             (f"stalled {stalled}", "bold red" if stalled else ""),
-            f" holding KV {'unknown' if kv is None else human_bytes(kv)} · parked {parked} · "
+            f" holding KV {'unknown' if kv is None else human_bytes(kv)} · paused {paused} · "
+            f"parked {parked} · "
             f"shown {shown} · cancels/min {'-' if cancels is None else f'{cancels:.1f}'}",
         ),
         Text(_gpu_text(header)),

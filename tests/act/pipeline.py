@@ -1,5 +1,5 @@
-"""The decide and act steps as the daemon runs them for a stalled socket
-(kvwatch.daemon.daemon.Daemon._on_stalled), with their real collaborators, for tests."""
+"""The decide and act steps as the episode runner takes them for a stalled socket
+(kvwatch.act.episode_runner), with their real collaborators, for tests."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from typing import Any
 from kvwatch.act.actions import Actions
 from kvwatch.act.audit import AuditLog
 from kvwatch.act.carry import Executor
-from kvwatch.act.episodes import Episodes
 from kvwatch.act.record import Recorder
 from kvwatch.config import PolicyConfig
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.policy.decide import Decider
 from kvwatch.policy.rules import CancelBudget
 from kvwatch.sockets import SocketSample
+from kvwatch.streams.episodes import Episodes
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import RelayLink
 from kvwatch.streams.states import StallJudgement
@@ -61,10 +61,12 @@ class Pipeline:
         return self.executor.budget
 
     def failure_of(self, sample: SocketSample) -> dict[str, Any] | None:
-        return self.episodes.failed(sample)
+        episode = self.episodes.get(sample)
+        return episode.failed(sample) if episode is not None else None
 
     async def on_stalled(self, sample: SocketSample, judgement: StallJudgement) -> float | None:
         engine, relay = self.behind(sample)
         now_ns = time.monotonic_ns()
         view = self.joiner.view(sample, engine, now_ns, self.stall_thresholds, judgement, relay)
-        return await self.executor.on_stalled(self.episodes.of(sample), view)
+        stall = self.episodes.begin(sample, now_ns).stall_for(sample)
+        return await self.executor.on_stalled(stall, view)

@@ -1,11 +1,10 @@
-"""Carrying decisions out (kvwatch.act.carry) and the stall timers, with their real
+"""Carrying decisions out (kvwatch.act.carry), with their real
 collaborators (hook server, engine hook, joiner, actions, audit log, stalled connections):
 one decision per stall episode, the budget given back when an action takes no effect, a
-failed action tried again within its episode, a handler that raised tried again."""
+failed action tried again within its episode."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import time
@@ -17,12 +16,11 @@ from kvwatch.act.carry import RETRY_DELAYS_SECONDS
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.procfs import Procfs
 from kvwatch.config import PolicyConfig
-from kvwatch.hook import CancelHandler, CancelOutcome
+from kvwatch.hook import CommandHandler, CommandOutcome
 from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import RelayIndex
-from kvwatch.streams.stall_timers import StallTimers
 from kvwatch.streams.states import StallJudgement, judge
 from kvwatch.streams.timeline import Timelines
 from tests.act.pipeline import Pipeline
@@ -71,7 +69,7 @@ def verdict(sample: SocketSample) -> StallJudgement:
 async def with_decider(socket_path: str, scenario: Callable[[Pipeline], Awaitable[None]]) -> None:
     hooks = HookServer(socket_path, (os.geteuid(),))
     await hooks.start()
-    actions = Actions(hooks, "/proc")
+    actions = Actions(hooks, "/proc", lease_ms=10_000)
     decider = Pipeline(
         POLICY,
         lambda sample: RelayIndex(()).behind(sample, hooks),
@@ -128,41 +126,16 @@ def test_a_socket_without_an_owner_is_looked_at_again_not_acted_on(socket_path: 
     run_async(with_decider(socket_path, scenario))
 
 
-def test_a_handler_that_raised_is_tried_again() -> None:
-    sample = stalled_sample()
-    calls: list[float] = []
-
-    async def read(_: int) -> SocketSample:
-        return sample
-
-    async def handler(_: SocketSample, __: StallJudgement) -> float | None:
-        calls.append(time.monotonic())
-        if len(calls) == 1:
-            raise RuntimeError("the first try fails")
-        return None
-
-    async def scenario() -> None:
-        watch = StallTimers(POLICY.stall_thresholds(), read, handler)
-        watch.observe(sample)
-        await wait_until(lambda: len(calls) == 2, timeout_seconds=5)
-        watch.observe(sample)  # the episode is done: no third call
-        await asyncio.sleep(0.2)  # deliberate: room for a third call, were there one
-        assert len(calls) == 2
-        watch.close()
-
-    run_async(scenario())
-
-
-def failing_then(ok_after: int) -> CancelHandler:
+def failing_then(ok_after: int) -> CommandHandler:
     """An engine's cancel handler that fails its first `ok_after` calls (its device work
     did not finish in time, say), then frees the request."""
     calls: list[str] = []
 
-    def handler(request_id: str, reason: str) -> CancelOutcome:
+    def handler(request_id: str, reason: str) -> CommandOutcome:
         calls.append(request_id)
         if len(calls) <= ok_after:
-            return CancelOutcome(request_id, "failed", 0, 0, detail="device work timed out")
-        return CancelOutcome(request_id, "cancelled", 2, 2 * BYTES_PER_BLOCK)
+            return CommandOutcome(request_id, "failed", 0, 0, detail="device work timed out")
+        return CommandOutcome(request_id, "cancelled", 2, 2 * BYTES_PER_BLOCK)
 
     return handler
 
@@ -176,7 +149,7 @@ async def cancel_on_stall(
     handler = failing_then(ok_after)
     answers: list[float | None] = []
     async with running_server(socket_path) as (hooks, _), engine_hook(socket_path, handler) as hook:
-        actions = Actions(hooks, "/proc")
+        actions = Actions(hooks, "/proc", lease_ms=10_000)
         decider = Pipeline(
             policy,
             lambda sample: RelayIndex(()).behind(sample, hooks),

@@ -115,7 +115,7 @@ async def running_agent(
 
     nvml = FakeNvml([FakeGpu(GPU_UUID, "NVIDIA H100", 80 * GIB, 30 * GIB, [(ENGINE_PID, GIB)])])
     hooks = HookServer(socket_path, (os.geteuid(),))  # never started: no engine to ask
-    actions = Actions(hooks, "/proc")
+    actions = Actions(hooks, "/proc", lease_ms=10_000)
     audit_path = tmp_path / "audit" / "audit.jsonl"
     audit = AuditLog(str(audit_path), echo=None)
     joiner_procfs = procfs if procfs is not None else fixture_procfs(tmp_path / "proc")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvwatch.harness.stack import Stack
-from kvwatch.hook import CancelOutcome, EngineHook
+from kvwatch.hook import CommandOutcome, EngineHook
 from tests.hookserver.conftest import ENGINE_INFO
 
 NOBODY_UID = 65534
@@ -101,7 +101,7 @@ def test_api_flood_leaves_health_the_collector_and_the_hook_working(tmp_path: Pa
                 assert answer.status_code == 200
             hook = EngineHook(
                 ENGINE_INFO,
-                lambda request_id, _: CancelOutcome(request_id, "unknown_request", 0, 0),
+                lambda request_id, _: CommandOutcome(request_id, "unknown_request", 0, 0),
                 str(stack.hook_socket),
                 reconnect_seconds=0.2,
             )

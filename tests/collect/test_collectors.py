@@ -17,7 +17,7 @@ from kvwatch.collect.collectors import (
     needed_sockets,
 )
 from kvwatch.sockets import Endpoint, SocketSample
-from kvwatch.streams.stall_timers import episode_of
+from kvwatch.streams.episodes import stall_of
 from kvwatch.streams.states import StallThresholds, StreamState, classify, judge
 
 S = 1_000_000_000
@@ -98,7 +98,7 @@ def test_the_older_clocks_are_kept_and_everything_else_is_bpfs() -> None:
     }
     assert carried.with_changes(**rest) == bpf.with_changes(**rest)
     assert carried.source == "bpf" and carried.key == bpf.key
-    assert episode_of(carried) == episode_of(bpf) == episode_of(diag)  # one stall episode
+    assert stall_of(carried) == stall_of(bpf) == stall_of(diag)  # one stall episode
 
 
 def test_bpfs_clocks_win_where_they_are_older() -> None:

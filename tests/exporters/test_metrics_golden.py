@@ -22,7 +22,7 @@ from prometheus_client import generate_latest
 
 from kvwatch.config import load_config
 from kvwatch.daemon.daemon import Daemon
-from kvwatch.hook import CancelOutcome, EngineHook
+from kvwatch.hook import CommandOutcome, EngineHook
 from tests.collect.conftest import GIB, FakeGpu, FakeNvml
 from tests.hookserver.conftest import ENGINE_INFO, run_async, wait_until
 
@@ -75,7 +75,7 @@ async def scrape(tmp_path: Path) -> str:
     await daemon.start()
     hook = EngineHook(
         ENGINE_INFO,
-        lambda request_id, _: CancelOutcome(request_id, "unknown_request", 0, 0),
+        lambda request_id, _: CommandOutcome(request_id, "unknown_request", 0, 0),
         config.hook.socket,
         reconnect_seconds=0.1,
     )

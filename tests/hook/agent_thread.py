@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookserver.registry import ChangeCallback, EngineStream
-from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
+from kvwatch.hookwire.types import CommandOutcome
 from tests.waiting import wait_for
 
 CALL_SECONDS = 30.0
@@ -84,11 +84,10 @@ class HookServerThread:
 
         return wait_for(settled, CALL_SECONDS, f"{count} streams whose clients read no more", 0.05)
 
-    def detach(self, request_id: str) -> DetachOutcome:
-        return self.call(self.server.detach(request_id, "backpressure", {"pressure_seconds": 2}))
-
-    def cancel(self, request_id: str) -> CancelOutcome:
-        return self.call(self.server.cancel(request_id, "stalled", {"zero_window_probes": 3}))
+    def command(self, name: str, request_id: str) -> CommandOutcome:
+        """Sends the hook command `name` (cancel, detach ...) as the agent would, and waits."""
+        evidence = {"test": "tests/hook/agent_thread.py"}
+        return self.call(self.server.command(name, request_id, "test", evidence))
 
     def close(self) -> None:
         self.call(self.server.close())

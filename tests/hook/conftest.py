@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvwatch.hook import CancelHandler, CancelOutcome, EngineHook
+from kvwatch.hook import CommandHandler, CommandOutcome, EngineHook
 from tests.hook.agent_thread import HookServerThread
 from tests.hook.hook_agent import ENGINE_INFO, AgentServer
 
@@ -33,8 +33,8 @@ def hook_server(socket_path: str) -> Iterator[HookServerThread]:
     server.close()
 
 
-def default_handler(request_id: str, reason: str) -> CancelOutcome:
-    return CancelOutcome(request_id, "unknown_request", 0, 0, detail=f"no request ({reason})")
+def default_handler(request_id: str, reason: str) -> CommandOutcome:
+    return CommandOutcome(request_id, "unknown_request", 0, 0, detail=f"no request ({reason})")
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def hook_factory(socket_path: str) -> Iterator[Callable[..., EngineHook]]:
     hooks: list[EngineHook] = []
 
     def build(
-        handler: CancelHandler = default_handler,
+        handler: CommandHandler = default_handler,
         *,
         queue_size: int = 1024,
         send_timeout_seconds: float = 5.0,

@@ -88,7 +88,7 @@ def test_a_detached_stream_generates_to_its_end_and_the_waiting_request_is_serve
         waiter = open_client(server.port, llama_completion(server.port, WAITER_TOKENS))
         _headers(waiter)
         waited = _nothing_for(waiter, 1.0)  # it waits for the lock the stalled stream holds
-        outcome = hook_server.detach(held.request_id)
+        outcome = hook_server.command("detach", held.request_id)
         served = read_all(waiter, WAIT_SECONDS)
         _generation_ended(hook_server, held.request_id)
         detached = hook_server.stream(held.request_id)
@@ -156,7 +156,7 @@ def test_a_slow_reader_of_a_detached_stream_gets_the_undetached_stream_byte_for_
         reader.start()
         (held,) = hook_server.backed_up()  # the reader has not started reading
         reader.go.set()
-        outcome = hook_server.detach(held.request_id)
+        outcome = hook_server.command("detach", held.request_id)
         # In the full suite the hypercorn run's generation has taken over 60 s (twice in
         # three runs; 22-27 s alone, cause not found): its end is awaited longer, and the
         # assertions below still hold it to not having waited for the reader.
@@ -177,11 +177,11 @@ def test_a_detached_stream_whose_client_reads_no_more_is_cancelled_buffer_and_al
     with serving_llama(kind, model_path, socket_path) as (server, middleware):
         gone = open_client(server.port, llama_completion(server.port, LONG_TOKENS))
         (held,) = hook_server.backed_up()
-        detached = hook_server.detach(held.request_id)
+        detached = hook_server.command("detach", held.request_id)
         _generation_ended(hook_server, held.request_id)
         buffered = middleware.egress_budget.buffered_bytes
-        again = hook_server.detach(held.request_id)
-        cancelled = hook_server.cancel(held.request_id)
+        again = hook_server.command("detach", held.request_id)
+        cancelled = hook_server.command("cancel", held.request_id)
         wait_until(lambda: middleware.egress_budget.buffered_bytes == 0, WAIT_SECONDS, "no buffer")
         with pytest.raises(ConnectionResetError):
             gone.settimeout(WAIT_SECONDS)

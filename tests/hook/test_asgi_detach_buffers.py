@@ -56,7 +56,7 @@ def test_a_stream_coupled_again_at_its_cap_still_delivers_every_byte_in_order(
     with serving(kind, middleware, sndbuf=SNDBUF_BYTES) as server:
         client = open_client(server.port, request)
         (held,) = hook_server.backed_up()
-        outcome = hook_server.detach(held.request_id)
+        outcome = hook_server.command("detach", held.request_id)
         wait_until(lambda: _coupled_again(hook_server), WAIT_SECONDS, "the stream coupled again")
         buffered = middleware.egress_budget.buffered_bytes
         body = read_all(client, WAIT_SECONDS).split(b"\r\n\r\n", 1)[1]
@@ -77,8 +77,8 @@ def test_a_response_buffered_from_its_start_is_not_detached_again(
     with serving("uvicorn", middleware) as server:
         client = open_client(server.port, completion_request(server.port, "b", 50))
         wait_until(lambda: hook_server.stream("cmpl-b"), WAIT_SECONDS, "its announce")
-        outcome = hook_server.detach("cmpl-b")
-        unknown = hook_server.detach("cmpl-none")
+        outcome = hook_server.command("detach", "cmpl-b")
+        unknown = hook_server.command("detach", "cmpl-none")
         read_all(client)
         client.close()
     assert (outcome.status, outcome.buffered_bytes) == ("declined", 0)
@@ -104,7 +104,7 @@ def test_two_hundred_detached_streams_stay_within_the_buffer_caps(
         ]
         ids = [stream.request_id for stream in hook_server.backed_up(streams)]
         app.pause = 0.2  # 20 KB/s a stream from now on: all are detached before a cap is hit
-        outcomes = [hook_server.detach(request_id) for request_id in ids]
+        outcomes = [hook_server.command("detach", request_id) for request_id in ids]
         wait_until(lambda: _coupled_again(hook_server), WAIT_SECONDS, "every stream at a cap")
         held_bytes, peak_bytes = budget.buffered_bytes, budget.peak_bytes
         for client in clients:

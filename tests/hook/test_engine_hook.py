@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from kvwatch.errors import ConfigError, ProtocolError
-from kvwatch.hook import DEFAULT_SOCKET_PATH, SOCKET_PATH_ENV, CancelOutcome, EngineHook
+from kvwatch.hook import DEFAULT_SOCKET_PATH, SOCKET_PATH_ENV, CommandOutcome, EngineHook
 from kvwatch.hookwire.protocol import (
     Cancel,
     Cancelled,
@@ -195,9 +195,9 @@ def test_cancel_runs_the_handler_off_the_loop_and_answers_with_its_result(
 ) -> None:
     calls: list[tuple[str, str, str]] = []
 
-    def handler(request_id: str, reason: str) -> CancelOutcome:
+    def handler(request_id: str, reason: str) -> CommandOutcome:
         calls.append((request_id, reason, threading.current_thread().name))
-        return CancelOutcome(request_id, "cancelled", freed_blocks=4, freed_bytes=65536)
+        return CommandOutcome(request_id, "cancelled", freed_blocks=4, freed_bytes=65536)
 
     agent = agent_factory()
     hook = hook_factory(handler)
@@ -222,12 +222,12 @@ def test_hanging_or_failing_handlers_get_a_failed_answer(
 ) -> None:
     release = threading.Event()
 
-    def handler(request_id: str, reason: str) -> CancelOutcome:
+    def handler(request_id: str, reason: str) -> CommandOutcome:
         if request_id == "hangs":
             release.wait(10)
         if request_id == "raises":
             raise RuntimeError("block table corrupt")
-        return CancelOutcome(request_id, "unknown_request", 0, 0, detail="never seen")
+        return CommandOutcome(request_id, "unknown_request", 0, 0, detail="never seen")
 
     agent = agent_factory()
     hook = hook_factory(handler, cancel_timeout_seconds=0.3)

@@ -12,11 +12,10 @@ import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-from kvwatch.hook import CancelHandler, CancelOutcome, EngineHook, EngineInfo
+from kvwatch.hook import CommandHandler, CommandOutcome, EngineHook, EngineInfo
 from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.hookwire.protocol import LineFramer, Message, encode
-from kvwatch.hookwire.types import DetachHandler, ParkHandler
 from tests.waiting import wait_until_async
 
 WAIT_SECONDS = 5.0
@@ -66,28 +65,21 @@ async def running_server(path: str, **options: Any) -> AsyncIterator[tuple[HookS
         await server.close()
 
 
-def unknown_handler(request_id: str, reason: str) -> CancelOutcome:
-    return CancelOutcome(request_id, "unknown_request", 0, 0, detail=f"no request ({reason})")
+def unknown_handler(request_id: str, reason: str) -> CommandOutcome:
+    return CommandOutcome(request_id, "unknown_request", 0, 0, detail=f"no request ({reason})")
 
 
 @contextlib.asynccontextmanager
 async def engine_hook(
     path: str,
-    handler: CancelHandler = unknown_handler,
+    handler: CommandHandler = unknown_handler,
     *,
     reconnect_seconds: float = 0.2,
-    park_handler: ParkHandler | None = None,
-    detach_handler: DetachHandler | None = None,
+    **handlers: CommandHandler | None,
 ) -> AsyncIterator[EngineHook]:
-    """A started EngineHook on `path` (fast reconnects unless told); stopped off the loop."""
-    hook = EngineHook(
-        ENGINE_INFO,
-        handler,
-        path,
-        reconnect_seconds=reconnect_seconds,
-        park_handler=park_handler,
-        detach_handler=detach_handler,
-    )
+    """A started EngineHook on `path` (fast reconnects unless told), with the command
+    handlers given (`park_handler=...`, `pause_handler=...`); stopped off the loop."""
+    hook = EngineHook(ENGINE_INFO, handler, path, reconnect_seconds=reconnect_seconds, **handlers)
     hook.start()
     try:
         yield hook

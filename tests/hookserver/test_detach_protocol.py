@@ -6,15 +6,15 @@ came before the answer — and a re-announce keeps the state."""
 from __future__ import annotations
 
 from kvwatch.hook import EngineHook
-from kvwatch.hookwire.types import DetachOutcome
+from kvwatch.hookwire.types import CommandOutcome
 from tests.hookserver.conftest import engine_hook, run_async, running_server, wait_until
 
 SERVER = ("127.0.0.1", 8000)
 CLIENT = ("127.0.0.1", 50200)
 
 
-def _detached(request_id: str, reason: str) -> DetachOutcome:
-    return DetachOutcome(request_id, "detached", 0, 0, buffered_bytes=700)
+def _detached(request_id: str, reason: str) -> CommandOutcome:
+    return CommandOutcome(request_id, "detached", 0, 0, buffered_bytes=700)
 
 
 def test_detach_answers_with_the_buffered_bytes_and_a_full_buffer_couples_again(
@@ -31,8 +31,10 @@ def test_detach_answers_with_the_buffered_bytes_and_a_full_buffer_couples_again(
             assert stream.can_detach and not stream.detached and not stream.can_park
             assert server.engines()[0]["features"] == ["detach"]
 
-            outcome = await server.detach("cmpl-d", "backpressure", {"pressure_seconds": 2.0})
-            assert outcome == DetachOutcome("cmpl-d", "detached", 0, 0, "", buffered_bytes=700)
+            outcome = await server.command(
+                "detach", "cmpl-d", "backpressure", {"pressure_seconds": 2.0}
+            )
+            assert outcome == CommandOutcome("cmpl-d", "detached", 0, 0, "", buffered_bytes=700)
             await wait_until(lambda: server.streams()[0].detached)
             assert server.streams()[0].kv_blocks == 3, "a detach frees nothing at once"
 
@@ -54,7 +56,7 @@ def test_a_detach_answered_after_its_buffer_filled_leaves_the_stream_coupled(
     sides (the agent's registry and the hook's re-announce)."""
     hooks: list[EngineHook] = []
 
-    def fills_at_once(request_id: str, reason: str) -> DetachOutcome:
+    def fills_at_once(request_id: str, reason: str) -> CommandOutcome:
         hooks[0].stream_updated(request_id, 1, 5, egress_buffer_full=True)
         return _detached(request_id, reason)
 
@@ -64,7 +66,9 @@ def test_a_detach_answered_after_its_buffer_filled_leaves_the_stream_coupled(
             hook.stream_opened("cmpl-f", SERVER, CLIENT, kv_blocks=1)
             async with running_server(socket_path) as (server, _):
                 await wait_until(lambda: len(server.streams()) == 1)
-                assert (await server.detach("cmpl-f", "backpressure", {})).status == "detached"
+                assert (
+                    await server.command("detach", "cmpl-f", "backpressure", {})
+                ).status == "detached"
                 await wait_until(lambda: server.streams()[0].egress_buffer_full)
                 assert not server.streams()[0].detached
             async with running_server(socket_path) as (server, _):  # the agent restarted
@@ -82,7 +86,9 @@ def test_a_reconnected_engine_re_announces_its_detached_stream_as_detached(
             hook.stream_opened("cmpl-r", SERVER, CLIENT, kv_blocks=2)
             async with running_server(socket_path) as (server, _):
                 await wait_until(lambda: len(server.streams()) == 1)
-                assert (await server.detach("cmpl-r", "backpressure", {})).status == "detached"
+                assert (
+                    await server.command("detach", "cmpl-r", "backpressure", {})
+                ).status == "detached"
             async with running_server(socket_path) as (server, _):  # the agent restarted
                 await wait_until(lambda: len(server.streams()) == 1)
                 assert server.streams()[0].detached
@@ -101,13 +107,13 @@ def test_detach_without_the_feature_fails_and_of_an_unknown_stream_sends_nothing
             hook.stream_opened("cmpl-n", SERVER, CLIENT, kv_blocks=2)
             await wait_until(lambda: len(server.streams()) == 1)
             assert not server.streams()[0].can_detach
-            outcome = await server.detach("cmpl-n", "backpressure", {})
-            assert isinstance(outcome, DetachOutcome)
+            outcome = await server.command("detach", "cmpl-n", "backpressure", {})
+            assert isinstance(outcome, CommandOutcome)
             assert (outcome.status, outcome.buffered_bytes) == ("failed", 0)
             assert "cannot detach" in outcome.detail
             assert not server.streams()[0].detached
-            unknown = await server.detach("cmpl-none", "backpressure", {})
-            assert isinstance(unknown, DetachOutcome) and unknown.status == "unknown_request"
+            unknown = await server.command("detach", "cmpl-none", "backpressure", {})
+            assert isinstance(unknown, CommandOutcome) and unknown.status == "unknown_request"
             counters = server.counters()
             assert (counters["detaches_sent"], counters["detaches_unknown_request"]) == (1, 1)
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvwatch.errors import ConfigError
-from kvwatch.hook import CancelOutcome, EngineHook
+from kvwatch.hook import CommandOutcome, EngineHook
 from kvwatch.hookserver.hook_server import EngineStream, HookServer
 from kvwatch.hookwire.protocol import (
     Cancel,
@@ -225,10 +225,10 @@ def test_engine_disconnect_forgets_its_streams(socket_path: str) -> None:
 def test_cancel_round_trip_through_the_engine_hook(socket_path: str) -> None:
     hooks: list[EngineHook] = []
 
-    def handler(request_id: str, reason: str) -> CancelOutcome:
+    def handler(request_id: str, reason: str) -> CommandOutcome:
         assert reason == "stalled"
         hooks[0].stream_closed(request_id, "cancelled")  # as an engine does after freeing
-        return CancelOutcome(request_id, "cancelled", 3, 3 * BYTES_PER_BLOCK)
+        return CommandOutcome(request_id, "cancelled", 3, 3 * BYTES_PER_BLOCK)
 
     async def scenario() -> None:
         async with (
@@ -238,15 +238,17 @@ def test_cancel_round_trip_through_the_engine_hook(socket_path: str) -> None:
             hooks.append(hook)
             hook.stream_opened("cmpl-c", SERVER, _client(50020), kv_blocks=3)
             await wait_until(lambda: len(server.streams()) == 1)
-            outcome = await server.cancel("cmpl-c", "stalled", {"no_progress_seconds": 3.2})
-            assert outcome == CancelOutcome("cmpl-c", "cancelled", 3, 3 * BYTES_PER_BLOCK, "")
+            outcome = await server.command(
+                "cancel", "cmpl-c", "stalled", {"no_progress_seconds": 3.2}
+            )
+            assert outcome == CommandOutcome("cmpl-c", "cancelled", 3, 3 * BYTES_PER_BLOCK, "")
             assert server.streams() == []
             assert changes.removed() == ["cmpl-c"]
             counters = server.counters()
             assert (counters["cancels_sent"], counters["cancels_answered"]) == (1, 1)
             assert counters["unknown_request_events"] == 0  # close came first, then the answer
 
-            unknown = await server.cancel("cmpl-nope", "stalled", {})
+            unknown = await server.command("cancel", "cmpl-nope", "stalled", {})
             assert (unknown.status, unknown.freed_blocks, unknown.freed_bytes) == (
                 "unknown_request",
                 0,
@@ -262,9 +264,9 @@ def test_cancel_round_trip_through_the_engine_hook(socket_path: str) -> None:
 def test_cancel_times_out_and_the_late_answer_is_counted(socket_path: str) -> None:
     release = threading.Event()
 
-    def slow_handler(request_id: str, reason: str) -> CancelOutcome:
+    def slow_handler(request_id: str, reason: str) -> CommandOutcome:
         release.wait(WAIT_FOR_RELEASE_SECONDS)
-        return CancelOutcome(request_id, "cancelled", 2, 2 * BYTES_PER_BLOCK)
+        return CommandOutcome(request_id, "cancelled", 2, 2 * BYTES_PER_BLOCK)
 
     async def scenario() -> None:
         async with (
@@ -274,7 +276,7 @@ def test_cancel_times_out_and_the_late_answer_is_counted(socket_path: str) -> No
             hook.stream_opened("cmpl-s", SERVER, _client(50030), kv_blocks=2)
             await wait_until(lambda: len(server.streams()) == 1)
             started = time.monotonic()
-            outcome = await server.cancel("cmpl-s", "stalled", {}, timeout_seconds=0.3)
+            outcome = await server.command("cancel", "cmpl-s", "stalled", {}, timeout_seconds=0.3)
             assert 0.3 <= time.monotonic() - started < 1.0
             assert (outcome.status, outcome.freed_blocks) == ("failed", 0)
             assert outcome.detail == "no answer within 0.3 s"
@@ -294,16 +296,18 @@ def test_cancel_times_out_and_the_late_answer_is_counted(socket_path: str) -> No
 def test_cancel_fails_when_the_engine_disconnects_while_waiting(socket_path: str) -> None:
     release = threading.Event()
 
-    def stuck_handler(request_id: str, reason: str) -> CancelOutcome:
+    def stuck_handler(request_id: str, reason: str) -> CommandOutcome:
         release.wait(WAIT_FOR_RELEASE_SECONDS)
-        return CancelOutcome(request_id, "failed", 0, 0, "released")
+        return CommandOutcome(request_id, "failed", 0, 0, "released")
 
     async def scenario() -> None:
         async with running_server(socket_path) as (server, _):
             async with engine_hook(socket_path, stuck_handler) as hook:
                 hook.stream_opened("cmpl-d", SERVER, _client(50040), kv_blocks=2)
                 await wait_until(lambda: len(server.streams()) == 1)
-                waiting = asyncio.create_task(server.cancel("cmpl-d", "stalled", {}, 5.0))
+                waiting = asyncio.create_task(
+                    server.command("cancel", "cmpl-d", "stalled", {}, 5.0)
+                )
                 await wait_until(lambda: hook.counters()["cancels_received"] == 1)
             outcome = await asyncio.wait_for(waiting, 2.0)
             assert outcome.status == "failed"
@@ -338,7 +342,7 @@ def test_cancel_answer_and_close_in_either_order(socket_path: str) -> None:
             await wait_until(lambda: len(server.streams()) == 2)
             for request_id, close_first in (("r-1", True), ("r-2", False)):
                 reply = asyncio.create_task(answer(engine, close_first=close_first))
-                outcome = await server.cancel(request_id, "stalled", {"peer_rwnd": 0})
+                outcome = await server.command("cancel", request_id, "stalled", {"peer_rwnd": 0})
                 await reply
                 assert (outcome.status, outcome.freed_bytes) == ("cancelled", 2 * BYTES_PER_BLOCK)
             await engine.send(_open("r-3", 50052))
@@ -604,7 +608,7 @@ def test_an_engine_that_reads_nothing_never_blocks_the_agent(socket_path: str) -
             await wait_until(lambda: len(server.streams()) == 1)
             started = time.monotonic()
             outcomes = await asyncio.gather(
-                *(server.cancel("deaf", "stalled", big_evidence, 3.0) for _ in range(16))
+                *(server.command("cancel", "deaf", "stalled", big_evidence, 3.0) for _ in range(16))
             )
             assert time.monotonic() - started < 1.0
             assert {o.status for o in outcomes} == {"failed"}

@@ -31,7 +31,7 @@ from kvwatch.hookwire.protocol import (
     encode,
     plural,
 )
-from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
+from kvwatch.hookwire.types import CommandOutcome
 from kvwatch.sockets import Endpoint
 
 EVERY_MESSAGE: list[Message] = [
@@ -127,7 +127,7 @@ def test_optional_estimate_and_buffer_fields_default_off_and_round_trip() -> Non
 
 
 def test_a_detach_answer_and_its_outcome_carry_the_buffered_bytes() -> None:
-    outcome = DetachOutcome("cmpl-1", "detached", 0, 0, "", buffered_bytes=312)
+    outcome = CommandOutcome("cmpl-1", "detached", 0, 0, "", buffered_bytes=312)
     answer = Detached.of(outcome, "d-3")
     assert answer == EVERY_MESSAGE[7]
     assert answer.outcome() == outcome
@@ -138,7 +138,7 @@ def test_a_detach_answer_and_its_outcome_carry_the_buffered_bytes() -> None:
     )
     # A cancel's answer has no such field: it is left out, not refused.
     cancelled = Cancelled.of(dataclasses.replace(outcome, status="cancelled"), "c-1")
-    assert cancelled.outcome() == CancelOutcome("cmpl-1", "cancelled", 0, 0, "")
+    assert cancelled.outcome() == CommandOutcome("cmpl-1", "cancelled", 0, 0, "")
     reannounced = decode(_line(**_open_body(detached=True)))
     assert isinstance(reannounced, Open) and reannounced.detached
     assert [plural(kind) for kind in ("cancel", "park", "detach")] == [

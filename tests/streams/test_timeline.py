@@ -15,7 +15,7 @@ import pytest
 from kvwatch.api.routes import build_app
 from kvwatch.config import load_config
 from kvwatch.daemon.daemon import Daemon
-from kvwatch.hook import CancelOutcome, EngineHook
+from kvwatch.hook import CommandOutcome, EngineHook
 from kvwatch.streams import timeline
 from kvwatch.streams.timeline import Timelines
 from tests.hookserver.conftest import ENGINE_INFO, run_async, wait_until
@@ -99,7 +99,7 @@ def test_diag_mode_explain_is_live_only_while_the_socket_exists(
         running = asyncio.create_task(daemon.run())
         hook = EngineHook(
             ENGINE_INFO,
-            lambda request_id, _: CancelOutcome(request_id, "unknown_request", 0, 0),
+            lambda request_id, _: CommandOutcome(request_id, "unknown_request", 0, 0),
             config.hook.socket,
             reconnect_seconds=0.1,
         )
@@ -114,14 +114,15 @@ def test_diag_mode_explain_is_live_only_while_the_socket_exists(
             await wait_until(lambda: len(daemon.samples()) == 1)
             assert (await explain(daemon))["live"] is True
             (sample,) = daemon.samples()
-            daemon.episodes.of(sample).acted = True  # as after a decision
+            episode = daemon.runner.episodes.begin(sample, time.monotonic_ns())
+            episode.stall_for(sample).acted = True  # as after a decision
             client.close()
             accepted.close()
             await wait_until(lambda: daemon.timelines.find("cmpl-diag").closed)  # type: ignore[union-attr]
             body = await explain(daemon)
             assert body["live"] is False
             assert [e["event"] for e in body["timeline"]][-1] == "gone"  # type: ignore[attr-defined]
-            assert daemon.episodes.current(sample) is None  # what diag mode no longer sees ended
+            assert daemon.runner.episodes.get(sample) is None  # what diag mode no longer sees ended
         finally:
             await asyncio.to_thread(hook.stop)
             daemon.stop()

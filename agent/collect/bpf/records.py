@@ -8,10 +8,11 @@ A record is unpacked by one `struct.Struct` derived from the ctypes mirror
 hashes, not the bytes: a large table costs little beyond its samples). A read of the whole
 table makes a new sample only for a record that changed, and not even then while the change
 is only the flow of a healthy, idle socket (`FLOW_FIELDS` moved; no back-pressure, nothing
-pending before or after): such a socket keeps its sample for up to `FLOW_REFRESH_NS`, so a
-stream that is between tokens at each read costs two hashes, not a conversion. Everything
-the judge reads of a socket under back-pressure, with data pending, or whose state, owner,
-episodes or feeder changed is always as of this read.
+pending and the peer's window near its largest, before and after): such a socket keeps its
+sample for up to `FLOW_REFRESH_NS`, so a stream that is between tokens at each read costs two
+hashes, not a conversion. Everything the judge reads of a socket under back-pressure, with
+data pending, whose reader holds unread bytes (its window `SHORTFALL_BYTES` below its
+largest), or whose state, owner, episodes or feeder changed is always as of this read.
 
 The flow is the record's tail (kvwatch.h lays it out so; `judged_end` checks it at import),
 so the part the judge reads is one range of bytes: telling a flow-only change costs one
@@ -115,7 +116,15 @@ def named_tuple(name: str, fields: list[str]) -> Any:
 RECORD_FORMAT, RECORD_FIELDS = struct_format(KvSockRecord)
 RECORD = struct.Struct("<" + RECORD_FORMAT)
 RecordValues = named_tuple("RecordValues", RECORD_FIELDS)
-UNSENT = struct.Struct("<" + struct_format(KvSockRecord, frozenset({"snd_una", "write_seq"}))[0])
+UNREAD = struct.Struct(
+    "<"
+    + struct_format(
+        KvSockRecord, frozenset({"snd_una", "write_seq", "peer_rwnd", "peer_rwnd_max"})
+    )[0]
+)
+# A window this far below the largest its peer advertised holds unread bytes the judge of
+# a reader's backlog reads (kvwatch.streams.backlog): such a record is as of every read.
+SHORTFALL_BYTES = 4096
 TCP_STATE_OFFSET = KvSockRecord.tcp_state.offset
 # Past this many, the endpoint cache starts over.
 CACHED_ENDPOINTS_MAX = 4096
@@ -248,7 +257,9 @@ class CachedSample:
 
 
 def idle_and_healthy(sample: SocketSample) -> bool:
-    return not (sample.pending_bytes or sample.zero_window or sample.sndbuf_full)
+    """Nothing pending, no back-pressure, and no unread backlog at the peer to speak of."""
+    shortfall = sample.peer_rwnd + SHORTFALL_BYTES < sample.peer_rwnd_max
+    return not (sample.pending_bytes or sample.zero_window or sample.sndbuf_full or shortfall)
 
 
 class SampleCache:
@@ -291,8 +302,8 @@ class SampleCache:
             return fresh or not entry.lagging
         if not (fresh and entry.idle and hash(raw[:JUDGED_END]) == entry.judged_hash):
             return False
-        snd_una, write_seq = UNSENT.unpack(raw)
-        if snd_una != write_seq:
+        snd_una, write_seq, peer_rwnd, peer_rwnd_max = UNREAD.unpack(raw)
+        if snd_una != write_seq or peer_rwnd + SHORTFALL_BYTES < peer_rwnd_max:
             return False
         entry.record_hash = record_hash
         entry.lagging = True

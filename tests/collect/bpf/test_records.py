@@ -138,7 +138,7 @@ def test_a_flow_between_reads_waits_for_the_refresh() -> None:
     record.snd_una = record.snd_nxt = record.write_seq = 1200
     record.bytes_acked += 200
     record.progress_ns = record.last_ack_ns = record.last_send_ns = 2 * SECOND_NS
-    record.srtt_us, record.snd_cwnd, record.peer_rwnd = 280, 12, 60000
+    record.srtt_us, record.snd_cwnd, record.peer_rwnd = 280, 12, 63000
     assert read(cache, record, 2 * SECOND_NS) is first
     assert read(cache, record, SECOND_NS + FLOW_REFRESH_NS - 1) is first
     caught_up = read(cache, record, SECOND_NS + FLOW_REFRESH_NS)

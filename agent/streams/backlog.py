@@ -1,0 +1,166 @@
+"""A reader's unread backlog, as the server's kernel shows it (docs/collector.md, "What the
+server sees of a reader that stops").
+
+What a stream's reader has not read yet lies in three places the server can see: its own
+send queue (`notsent_bytes`), the network (`unacked_bytes`), and the reader's receive buffer,
+which shows as the shortfall of the window it advertises now against the largest window it
+ever advertised (a reader that keeps up reopens its window to that size; one that stopped
+fills it). The sum, in bytes and in seconds of the stream's own output, is the backlog.
+
+Its error: a receiver whose window is still growing (autotuning, the first seconds of a
+connection) shows less shortfall than it holds; a receiver fed many small segments grows its
+buffer instead of closing its window (Linux's truesize clamp) and hides what it holds until
+the buffer reaches its limit; window scaling rounds the window down by up to 2^scale bytes;
+after a read, Linux sends the reopened window only once it has grown enough
+(tcp_cleanup_rbuf), so a reader that read may show a few segments of shortfall until its
+next ACK. The engine's own user-space buffers are not seen at all.
+
+`FlowMeter` measures each socket's output rate from its kernel counters (bytes acknowledged
+plus bytes pending: what the server wrote), while its stream is not held, so the seconds stay
+those of the stream's own pace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvwatch.sockets import Endpoint, SocketSample
+
+NS_PER_SECOND = 1_000_000_000
+# A rate is measured over at least this long, and weighs its newest span this much.
+RATE_SPAN_NS = 500_000_000
+RATE_WEIGHT = 0.5
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """One socket's unread backlog: `window_shortfall` (in the reader's receive buffer),
+    `in_flight` (sent, not acknowledged) and `unsent` (in the server's send queue), in bytes;
+    `rate` the stream's output in bytes per second (0: not measured yet)."""
+
+    window_shortfall: int
+    in_flight: int
+    unsent: int
+    rate: float
+
+    @property
+    def bytes(self) -> int:
+        return self.window_shortfall + self.in_flight + self.unsent
+
+    @property
+    def seconds(self) -> float | None:
+        """The backlog in seconds of the stream's output; None while its rate is unknown."""
+        return self.bytes / self.rate if self.rate > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        seconds = self.seconds
+        return {
+            "bytes": self.bytes,
+            "seconds": round(seconds, 3) if seconds is not None else None,
+            "window_shortfall_bytes": self.window_shortfall,
+            "in_flight_bytes": self.in_flight,
+            "unsent_bytes": self.unsent,
+            "rate_bytes_per_second": round(self.rate, 1),
+        }
+
+
+def window_shortfall(sample: SocketSample, largest_window: int) -> int:
+    """How far the peer's window is below the largest it advertised (0 when unknown)."""
+    if sample.peer_rwnd < 0 or largest_window <= 0:
+        return 0
+    return max(0, largest_window - sample.peer_rwnd)
+
+
+def backlog_of(sample: SocketSample, rate: float = 0.0) -> Backlog:
+    """The backlog of one sample alone: its window against the largest its peer advertised
+    (known from BPF only), at `rate` (0: the seconds are unknown)."""
+    return Backlog(
+        window_shortfall(sample, sample.peer_rwnd_max),
+        sample.unacked_bytes,
+        sample.notsent_bytes,
+        rate,
+    )
+
+
+@dataclass
+class _Flow:
+    """What the meter keeps of one socket: its last point (when, bytes written), the rate
+    measured so far, the largest window its peer advertised (for sources that do not
+    report it), and its newest sample."""
+
+    point_ns: int
+    written: int
+    latest: SocketSample
+    rate: float = 0.0
+    largest_window: int = 0
+
+
+def written_bytes(sample: SocketSample) -> int:
+    """What the server has written on the connection: acknowledged plus pending."""
+    return sample.bytes_acked + sample.pending_bytes
+
+
+class FlowMeter:
+    """Output rates and backlogs of the sockets the daemon looks at; owned by its event loop.
+    Bounded by the socket table: `forget` drops a socket that closed or left it."""
+
+    def __init__(self) -> None:
+        self._flows: dict[int, _Flow] = {}
+        self._keys: dict[tuple[Endpoint, Endpoint], int] = {}
+
+    def __len__(self) -> int:
+        return len(self._flows)
+
+    def note(self, sample: SocketSample, held: bool = False) -> None:
+        """Takes in a fresh look at a socket. While its stream is `held` (paused or parked)
+        its rate is kept as it was: a held stream writes nothing because it was told not to."""
+        flow = self._flows.get(sample.key)
+        written = written_bytes(sample)
+        if flow is None or written < flow.written:  # new, or a reused socket key
+            self._flows[sample.key] = _Flow(
+                sample.observed_ns, written, sample, 0.0, sample.peer_rwnd
+            )
+            self._keys[(sample.local, sample.remote)] = sample.key
+            return
+        if sample.observed_ns >= flow.latest.observed_ns:
+            flow.latest = sample
+        flow.largest_window = max(flow.largest_window, sample.peer_rwnd)
+        span_ns = sample.observed_ns - flow.point_ns
+        if span_ns < RATE_SPAN_NS:
+            return
+        if not held:
+            rate = (written - flow.written) * NS_PER_SECOND / span_ns
+            flow.rate = (
+                rate if flow.rate == 0 else RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * flow.rate
+            )
+        flow.point_ns, flow.written = sample.observed_ns, written
+
+    def backlog(self, sample: SocketSample) -> Backlog:
+        """The socket's backlog now (see the module docstring)."""
+        flow = self._flows.get(sample.key)
+        largest = max(sample.peer_rwnd_max, flow.largest_window if flow is not None else 0)
+        return Backlog(
+            window_shortfall=window_shortfall(sample, largest),
+            in_flight=sample.unacked_bytes,
+            unsent=sample.notsent_bytes,
+            rate=flow.rate if flow is not None else 0.0,
+        )
+
+    def unread_tokens(self, local: Endpoint, remote: Endpoint, tokens_out: int) -> int | None:
+        """Of a stream that wrote `tokens_out` tokens on this connection, how many its reader
+        had not read at its newest look: its backlog in the stream's bytes per token (what
+        the connection carried per token, headers and earlier requests on it included); None
+        when the meter never looked at the connection."""
+        key = self._keys.get((local, remote))
+        flow = self._flows.get(key) if key is not None else None
+        if flow is None or tokens_out <= 0:
+            return None
+        written = written_bytes(flow.latest)
+        unread = self.backlog(flow.latest).bytes
+        return min(tokens_out, round(unread * tokens_out / written)) if written else None
+
+    def forget(self, key: int) -> None:
+        flow = self._flows.pop(key, None)
+        if flow is not None:
+            self._keys.pop((flow.latest.local, flow.latest.remote), None)

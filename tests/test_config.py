@@ -12,21 +12,18 @@ import pytest
 
 from kvwatch.collect.bpf.loader import SEND_MODES
 from kvwatch.collect.collectors import BACKENDS
-from kvwatch.config import (
+from kvwatch.config.load import (
     MAX_CONFIG_BYTES,
-    RANGES,
     RENAMED_KEYS,
-    AgentConfig,
-    CollectorConfig,
-    PolicyConfig,
-    Range,
     config_keys,
     config_to_dict,
     env_name,
     load_config,
     parse_flag,
 )
+from kvwatch.config.schema import RANGES, AgentConfig, CollectorConfig, PolicyConfig, Range
 from kvwatch.errors import ConfigError
+from kvwatch.streams.states import StallThresholds
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -233,7 +230,7 @@ def test_the_effective_config_shows_as_plain_data_and_loads_back() -> None:
 
 def test_the_stream_state_threshold_follows_the_policy() -> None:
     policy = load_config(None, {"KVWATCH_POLICY_STALL_SECONDS": "1.5"}, {}).policy
-    assert policy.stall_thresholds().stall_seconds == 1.5
+    assert StallThresholds.of_policy(policy).stall_seconds == 1.5
     assert not policy.enforce
     assert PolicyConfig(mode="enforce").enforce
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from kvwatch.act.carry import Executor
 from kvwatch.act.record import Recorder
 from kvwatch.collect.collectors import ConnectionKey, connection_key
-from kvwatch.config import PolicyConfig
+from kvwatch.config.schema import PolicyConfig
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.policy.decide import Decider, retry_after
 from kvwatch.policy.hold import NOT_NEWS, HoldSituation
@@ -92,7 +92,7 @@ class EpisodeRunner:
         on_stall_ended: Callable[[float], None],
     ) -> None:
         self.policy = policy
-        self.thresholds: StallThresholds = policy.stall_thresholds()
+        self.thresholds: StallThresholds = StallThresholds.of_policy(policy)
         self.executor = executor
         self.decider: Decider = executor.decider
         self.recorder = recorder

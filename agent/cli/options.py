@@ -12,8 +12,9 @@ from click.core import ParameterSource
 
 from kvwatch.collect.bpf.loader import SEND_MODES
 from kvwatch.collect.collectors import BACKENDS
-from kvwatch.config import RANGES, AgentConfig, load_config, parse_flag
-from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND, StreamState
+from kvwatch.config.load import load_config, parse_flag
+from kvwatch.config.schema import DEFAULT_MIN_READER_BYTES_PER_SECOND, RANGES, AgentConfig
+from kvwatch.streams.states import StreamState
 from kvwatch.tools.client import DEFAULT_AGENT_URL, agent_url
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -21,7 +22,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def setting_option(*decls: str, key: str, help: str, **kwargs: Any) -> Callable[[F], F]:
     """A flag for the config setting `key`: its value is checked by the config's rules
-    (kvwatch.config.parse_flag: type, range, the same message as for the file), and its help
+    (kvwatch.config.load.parse_flag: type, range, the same message as for the file), and its help
     ends with the setting's range. A repeatable flag's values are checked together."""
 
     def check(_: click.Context, param: click.Parameter, value: Any) -> Any:

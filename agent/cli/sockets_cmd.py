@@ -102,7 +102,7 @@ def command(
         opened = open_collector(
             config.collector.settings(), config.collector.backend, config.path.procfs
         )
-        source = KernelRows(opened, config.policy.stall_thresholds())
+        source = KernelRows(opened, StallThresholds.of_policy(config.policy))
         time.sleep(settle)
     announce_collector(source.note)
     try:

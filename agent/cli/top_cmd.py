@@ -18,6 +18,7 @@ from kvwatch.cli.options import (
     state_filter_option,
 )
 from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
+from kvwatch.streams.states import StallThresholds
 from kvwatch.tools.client import reading_answer
 from kvwatch.top.app import print_frame, run_live, run_piped
 from kvwatch.top.model import SORT_KEYS, RowFilter
@@ -108,7 +109,7 @@ def command(
             config.collector.settings(),
             config.collector.backend,
             config.path.procfs,
-            config.policy.stall_thresholds(),
+            StallThresholds.of_policy(config.policy),
         )
         announce_collector(standalone_source.note)
         source = standalone_source

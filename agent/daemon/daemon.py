@@ -31,7 +31,7 @@ from kvwatch.collect.collectors import (
 from kvwatch.collect.gpu import GpuInventory, NvmlApi
 from kvwatch.collect.listeners import ListeningPorts
 from kvwatch.collect.procfs import Procfs
-from kvwatch.config import AgentConfig
+from kvwatch.config.schema import AgentConfig
 from kvwatch.exporters import agent_registry
 from kvwatch.exporters.durations import EpisodeDurations
 from kvwatch.hookserver.hook_server import HookServer
@@ -40,7 +40,7 @@ from kvwatch.policy.decide import Decider
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import FeedLedger, RelayIndex, RelayLink
-from kvwatch.streams.states import StallJudgement
+from kvwatch.streams.states import StallJudgement, StallThresholds
 from kvwatch.streams.timeline import Timelines, connection_id
 from kvwatch.streams.view import StreamView
 
@@ -59,7 +59,7 @@ class Daemon:
 
     def __init__(self, config: AgentConfig, nvml: NvmlApi | None = None) -> None:
         self.config = config
-        self.stall_thresholds = config.policy.stall_thresholds()
+        self.stall_thresholds = StallThresholds.of_policy(config.policy)
         self.procfs = Procfs(config.path.procfs)
         self.gpus = GpuInventory(nvml)
         self.joiner = Joiner(self.procfs, self.gpus)

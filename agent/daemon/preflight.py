@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from kvwatch.collect.bpf.layout import KvSockRecord
-from kvwatch.config import AgentConfig, split_listen
+from kvwatch.config.schema import AgentConfig, split_listen
 from kvwatch.errors import ConfigError, PrivilegeError, quoted
 
 # The kernel's BPF hash map: elements are preallocated for an LRU hash, each with a header

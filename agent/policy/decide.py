@@ -4,7 +4,7 @@ keeps the budget they draw on. No I/O: kvwatch.act carries the decision out and 
 
 from __future__ import annotations
 
-from kvwatch.config import PolicyConfig
+from kvwatch.config.schema import PolicyConfig
 from kvwatch.policy.hold import HoldSituation, decide_hold
 from kvwatch.policy.rules import CancelBudget, Candidate, Decision, Owner, decide
 from kvwatch.streams.view import StreamView

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwatch.config import PolicyConfig
+from kvwatch.config.schema import PolicyConfig
 from kvwatch.policy.rules import Candidate, Decision, Verdict, owner_refusal, size_refusal, skip
 
 # Skips that say only that holding does not apply to the stream now: never news.

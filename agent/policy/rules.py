@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Literal
 
-from kvwatch.config import PolicyConfig
+from kvwatch.config.schema import PolicyConfig
 from kvwatch.streams.states import StreamState
 
 Verdict = Literal["act", "would_act", "skip"]

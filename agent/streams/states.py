@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwatch.collect.probes import NS_PER_SECOND, answer_after_ns, probe_base_ns
+from kvwatch.config.schema import DEFAULT_MIN_READER_BYTES_PER_SECOND, PolicyConfig
 from kvwatch.sockets import SocketSample
 
-DEFAULT_MIN_READER_BYTES_PER_SECOND = 4096
 # The largest window a peer can advertise without window scaling (RFC 7323).
 UNSCALED_WINDOW_MAX = 65535
 # What a peer may hold unread, in multiples of the largest window it advertised (see
@@ -55,8 +55,8 @@ class StallThresholds:
     ever acted on; `min_reader_bytes_per_second` the reader rate that is guaranteed never to
     be called stalled; `slow_fill` the send-queue fill that counts as "mostly full". A
     zero-window episode that ended less than `stall_seconds` ago still marks a stream slow.
-    Built from the `[policy]` settings by `PolicyConfig.stall_thresholds()`, which checks
-    their bounds (kvwatch.config.RANGES): the one place they are checked."""
+    Built from the `[policy]` settings by `of_policy`, whose bounds the config checks
+    (kvwatch.config.schema.RANGES): the one place they are checked."""
 
     stall_seconds: float = 3.0
     min_reader_bytes_per_second: int = DEFAULT_MIN_READER_BYTES_PER_SECOND
@@ -65,6 +65,14 @@ class StallThresholds:
     @property
     def stall_ns(self) -> int:
         return int(self.stall_seconds * NS_PER_SECOND)
+
+    @classmethod
+    def of_policy(cls, policy: PolicyConfig) -> StallThresholds:
+        """The judge's thresholds from the `[policy]` settings of the same names."""
+        return cls(
+            stall_seconds=policy.stall_seconds,
+            min_reader_bytes_per_second=policy.min_reader_bytes_per_second,
+        )
 
 
 def pressure_since_ns(sample: SocketSample) -> int:

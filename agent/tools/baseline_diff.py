@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvwatch.config import read_small_file
 from kvwatch.errors import ConfigError, quoted
+from kvwatch.files import read_small_file
 from kvwatch.tools.baseline import FORMAT, FORMAT_VERSION, ProcessMemory, Snapshot
 from kvwatch.tools.tables import human_bytes
 

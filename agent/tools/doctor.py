@@ -28,7 +28,7 @@ from kvwatch.collect.bpf.loader import (
     object_path,
 )
 from kvwatch.collect.gpu import GpuInventory
-from kvwatch.config import HookConfig
+from kvwatch.config.schema import HookConfig
 from kvwatch.daemon.preflight import procfs_problem
 from kvwatch.errors import KvwatchError, quoted
 from kvwatch.tools.baseline import parse_sysctl_numbers, read_sysctl

@@ -12,7 +12,7 @@ from kvwatch.act.actions import Actions
 from kvwatch.act.audit import AuditLog
 from kvwatch.act.carry import Executor
 from kvwatch.act.record import Recorder
-from kvwatch.config import PolicyConfig
+from kvwatch.config.schema import PolicyConfig
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.policy.decide import Decider
 from kvwatch.policy.rules import CancelBudget
@@ -20,7 +20,7 @@ from kvwatch.sockets import SocketSample
 from kvwatch.streams.episodes import Episodes
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import RelayLink
-from kvwatch.streams.states import StallJudgement
+from kvwatch.streams.states import StallJudgement, StallThresholds
 from kvwatch.streams.timeline import Timelines
 
 Behind = Callable[[SocketSample], tuple[EngineStream | None, RelayLink | None]]
@@ -39,7 +39,7 @@ class Pipeline:
         audit: AuditLog,
         timelines: Timelines,
     ) -> None:
-        self.stall_thresholds = policy.stall_thresholds()
+        self.stall_thresholds = StallThresholds.of_policy(policy)
         self.behind = behind
         self.joiner = joiner
         self.actions = actions

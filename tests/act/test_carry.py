@@ -15,13 +15,13 @@ from kvwatch.act.audit import AuditLog
 from kvwatch.act.carry import RETRY_DELAYS_SECONDS
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.procfs import Procfs
-from kvwatch.config import PolicyConfig
+from kvwatch.config.schema import PolicyConfig
 from kvwatch.hook import CommandHandler, CommandOutcome
 from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import RelayIndex
-from kvwatch.streams.states import StallJudgement, judge
+from kvwatch.streams.states import StallJudgement, StallThresholds, judge
 from kvwatch.streams.timeline import Timelines
 from tests.act.pipeline import Pipeline
 from tests.act.stalled import StalledConnections
@@ -61,7 +61,7 @@ def stalled_sample(bytes_acked: int = 1000) -> SocketSample:
 
 
 def verdict(sample: SocketSample) -> StallJudgement:
-    judgement = judge(sample, time.monotonic_ns(), POLICY.stall_thresholds())
+    judgement = judge(sample, time.monotonic_ns(), StallThresholds.of_policy(POLICY))
     assert judgement.stalled
     return judgement
 

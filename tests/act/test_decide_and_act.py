@@ -26,7 +26,7 @@ from kvwatch.act.actions import Actions
 from kvwatch.act.audit import AuditLog
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.procfs import Procfs
-from kvwatch.config import PolicyConfig
+from kvwatch.config.schema import PolicyConfig
 from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.policy.decide import RECHECK_SECONDS

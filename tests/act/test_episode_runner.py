@@ -22,14 +22,14 @@ from kvwatch.act.episode_runner import BACKLOG_LOOK_NS, HOLD_RETRY_SECONDS, Epis
 from kvwatch.act.record import Recorder
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.procfs import Procfs
-from kvwatch.config import PolicyConfig
+from kvwatch.config.schema import PolicyConfig
 from kvwatch.hook import CommandHandler, CommandOutcome, EngineHook
 from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.policy.decide import Decider
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.join import Joiner
 from kvwatch.streams.relay import RelayIndex
-from kvwatch.streams.states import StallJudgement
+from kvwatch.streams.states import StallJudgement, StallThresholds
 from kvwatch.streams.timeline import Timelines
 from kvwatch.streams.view import StreamView
 from tests.act.stalled import StalledConnections
@@ -114,22 +114,31 @@ async def lab(
     features: tuple[str, ...] = ("pause", "park", "release"),
 ) -> AsyncIterator[Lab]:
     engine = engine or RecordingEngine()
-    handlers = {f"{name}_handler": engine.handler(name) for name in features}
+
+    def handler(name: str) -> CommandHandler | None:
+        return engine.handler(name) if name in features else None
+
     async with (
         running_server(socket_path) as (hooks, _),
-        engine_hook(socket_path, engine.handler("cancel"), **handlers) as hook,
+        engine_hook(
+            socket_path,
+            engine.handler("cancel"),
+            pause_handler=handler("pause"),
+            park_handler=handler("park"),
+            release_handler=handler("release"),
+        ) as hook,
     ):
         await wait_until(lambda: bool(hooks.engines()))
         actions = Actions(hooks, "/proc", int(policy.lease_seconds * 1000))
         recorder = Recorder(AuditLog(None, echo=None), Timelines(16))
         joiner = Joiner(Procfs(), GpuInventory())
-        thresholds = policy.stall_thresholds()
+        thresholds = StallThresholds.of_policy(policy)
 
         def view_of(sample: SocketSample, now_ns: int, judgement: StallJudgement) -> StreamView:
             stream, relay = RelayIndex(()).behind(sample, hooks)
             return joiner.view(sample, stream, now_ns, thresholds, judgement, relay)
 
-        kernel, lengths = Kernel(), []
+        kernel, lengths = Kernel(), list[float]()
         runner = EpisodeRunner(
             policy,
             Executor(actions, recorder, Decider(policy), joiner),

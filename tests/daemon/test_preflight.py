@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvwatch.cli import main
-from kvwatch.config import MAX_SOCKETS_LIMIT
+from kvwatch.config.schema import MAX_SOCKETS_LIMIT
 from kvwatch.daemon.preflight import bind_listen_address, raise_descriptor_limit, socket_map_bytes
 from kvwatch.errors import EXIT_PRIVILEGE, EXIT_USAGE, KvwatchError
 

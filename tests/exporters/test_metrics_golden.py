@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from kvwatch.config import load_config
+from kvwatch.config.load import load_config
 from kvwatch.daemon.daemon import Daemon
 from kvwatch.hook import CommandOutcome, EngineHook
 from tests.collect.conftest import GIB, FakeGpu, FakeNvml

@@ -36,7 +36,8 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 
 from kvwatch.cli import COMMANDS, main, run_cmd
-from kvwatch.config import AgentConfig, config_keys, env_name, load_config, parse_flag
+from kvwatch.config.load import config_keys, env_name, load_config, parse_flag
+from kvwatch.config.schema import AgentConfig
 from kvwatch.errors import EXIT_PRIVILEGE, ConfigError, KvwatchError, PrivilegeError
 from kvwatch.tools import doctor
 from tests.fuzz.servers import KNOWN_REQUEST, Answer, agent_app, garbage_server, served_agent

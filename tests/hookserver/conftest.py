@@ -75,11 +75,23 @@ async def engine_hook(
     handler: CommandHandler = unknown_handler,
     *,
     reconnect_seconds: float = 0.2,
-    **handlers: CommandHandler | None,
+    park_handler: CommandHandler | None = None,
+    detach_handler: CommandHandler | None = None,
+    pause_handler: CommandHandler | None = None,
+    release_handler: CommandHandler | None = None,
 ) -> AsyncIterator[EngineHook]:
     """A started EngineHook on `path` (fast reconnects unless told), with the command
-    handlers given (`park_handler=...`, `pause_handler=...`); stopped off the loop."""
-    hook = EngineHook(ENGINE_INFO, handler, path, reconnect_seconds=reconnect_seconds, **handlers)
+    handlers given; stopped off the loop."""
+    hook = EngineHook(
+        ENGINE_INFO,
+        handler,
+        path,
+        reconnect_seconds=reconnect_seconds,
+        park_handler=park_handler,
+        detach_handler=detach_handler,
+        pause_handler=pause_handler,
+        release_handler=release_handler,
+    )
     hook.start()
     try:
         yield hook

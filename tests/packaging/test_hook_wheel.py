@@ -301,7 +301,9 @@ def test_the_light_venv_s_hook_talks_to_a_real_agent(light_python: Path, socket_
             (stream,) = server.streams()
             assert (stream.request_id, stream.kv_blocks) == ("req-light", 4), stream
             assert (stream.local.port, stream.remote.port) == (8000, 40001), stream
-            outcome = await server.cancel("req-light", "stalled", {}, timeout_seconds=WAIT_SECONDS)
+            outcome = await server.command(
+                "cancel", "req-light", "stalled", {}, timeout_seconds=WAIT_SECONDS
+            )
             assert (outcome.status, outcome.freed_blocks) == ("cancelled", 4), outcome
             assert engine.stdin is not None
             engine.stdin.close()

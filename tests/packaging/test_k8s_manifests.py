@@ -13,7 +13,8 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from kvwatch.config import AgentConfig, load_config, split_listen
+from kvwatch.config.load import load_config
+from kvwatch.config.schema import AgentConfig, split_listen
 from tests.packaging.conftest import AGENT_CAPABILITIES, PACKAGING
 
 K8S = PACKAGING / "k8s"

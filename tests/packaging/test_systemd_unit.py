@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvwatch.api import api_server
-from kvwatch.config import load_config
+from kvwatch.config.load import load_config
 from kvwatch.hookserver import hook_server
 from tests.packaging.conftest import AGENT_CAPABILITIES, PACKAGING, require_tool
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvwatch.config import PolicyConfig
+from kvwatch.config.schema import PolicyConfig
 from kvwatch.policy.hold import NOT_NEWS, HoldSituation, decide_hold
 from kvwatch.policy.rules import CancelBudget, Candidate, decide
 from kvwatch.streams.states import StreamState

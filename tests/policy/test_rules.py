@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwatch.config import PolicyConfig
+from kvwatch.config.schema import PolicyConfig
 from kvwatch.policy.rules import BUDGET_WINDOW_SECONDS, CancelBudget, Candidate, Owner, decide
 from kvwatch.streams.states import StreamState
 

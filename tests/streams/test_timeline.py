@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvwatch.api.routes import build_app
-from kvwatch.config import load_config
+from kvwatch.config.load import load_config
 from kvwatch.daemon.daemon import Daemon
 from kvwatch.hook import CommandOutcome, EngineHook
 from kvwatch.streams import timeline

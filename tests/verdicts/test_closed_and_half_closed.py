@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND
+from kvwatch.config.schema import DEFAULT_MIN_READER_BYTES_PER_SECOND
 from tests.waiting import wait_until
 
 from .conftest import Agent, Lab

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND
+from kvwatch.config.schema import DEFAULT_MIN_READER_BYTES_PER_SECOND
 
 from .conftest import SERVER_BYTES_PER_SECOND, Agent, Lab
 from .netlab import Link

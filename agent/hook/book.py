@@ -118,8 +118,7 @@ class StreamBook:
             stream.kv_blocks, stream.tokens_out = kv_blocks, tokens_out
             stream.egress_buffer_full = egress_buffer_full
             stream.detached = stream.detached and not egress_buffer_full  # coupled again
-            if request_id not in self._update_queued and self._enqueue(_PendingUpdate(request_id)):
-                self._update_queued.add(request_id)
+            self._queue_update(request_id)
             return True
 
     def resumes_of(self, request_id: str) -> int:
@@ -131,7 +130,8 @@ class StreamBook:
 
     def answered(self, request_id: str, status: str, resumes_then: int) -> bool:
         """A command's answer is on its way: "parked", "detached" or "paused" marks the
-        stream (and "released" unmarks a pause) so that updates and a re-announce say so.
+        stream (and "released" unmarks a pause) so that updates and a re-announce say so; a
+        park that took effect holds no KV (an update says so, for an engine that cannot).
         A park answered after the request already resumed (its client read at once;
         `resumes_then` is `resumes_of` when the park arrived) and a detach answered after the
         stream's buffer was reported full (coupled again meanwhile) mark nothing. False when
@@ -142,6 +142,9 @@ class StreamBook:
                 return False
             if status == "parked":
                 stream.parked = stream.resumes == resumes_then
+                if stream.parked and stream.kv_blocks:  # its KV is free now, whoever says
+                    stream.kv_blocks = 0
+                    self._queue_update(request_id)
             elif status == "detached":
                 stream.detached = not stream.egress_buffer_full
             elif status in ("paused", "released"):
@@ -156,8 +159,12 @@ class StreamBook:
             if stream is None or not stream.paused:
                 return
             stream.paused = False
-            if request_id not in self._update_queued and self._enqueue(_PendingUpdate(request_id)):
-                self._update_queued.add(request_id)
+            self._queue_update(request_id)
+
+    def _queue_update(self, request_id: str) -> None:
+        """Queues an update of the stream's current numbers (lock held), once."""
+        if request_id not in self._update_queued and self._enqueue(_PendingUpdate(request_id)):
+            self._update_queued.add(request_id)
 
     def resumed(self, request_id: str, kv_blocks: int, recomputed_tokens: int) -> bool:
         """The parked request runs again; queues its `resumed`. False when it is not live."""

@@ -90,6 +90,12 @@ class EngineLab(Lab):
             self.close()
             raise
 
+    def engine_request(self, request_id: str) -> dict[str, Any]:
+        """The engine's own account of one request (GET /v1/requests): its state, the tokens
+        it generated and those its writer took."""
+        report: dict[str, Any] = self.get(f"/v1/requests/{request_id}").json()
+        return report
+
     @property
     def url(self) -> str:
         return f"http://{self.net.server_ip}:{SERVER_PORT}"
@@ -107,9 +113,9 @@ class EngineLab(Lab):
             self.net.client_ns, lambda: httpx.get(f"{self.url}{path}", timeout=5)
         )
 
-    def request(self, reader: Reader, request_id: str) -> Reader:
-        """`reader` streams a completion of MAX_TOKENS under `request_id` to its end."""
-        body = completion_body("completions", MODEL, PROMPT, MAX_TOKENS)
+    def request(self, reader: Reader, request_id: str, max_tokens: int = MAX_TOKENS) -> Reader:
+        """`reader` streams a completion of `max_tokens` under `request_id` to its end."""
+        body = completion_body("completions", MODEL, PROMPT, max_tokens)
         request = build_request(Target.parse(self.url), "POST", "/v1/completions", body, request_id)
         reader.eof_ends = True
         return self.connect(reader, request)

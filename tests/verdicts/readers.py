@@ -40,7 +40,8 @@ class Reader:
     `eof_ends` (an HTTP response that ends): then it sets `ended_ns`. With `half_close` it
     shuts its sending side after the request (the server's socket is then in CLOSE_WAIT).
     With `pause_after`, it stops reading that many seconds in, for `pause_seconds`, then
-    reads as fast as it can (someone who switched tabs and came back)."""
+    reads as fast as it can (someone who switched tabs and came back); `paused_ns` and
+    `paused_at_bytes` say when it stopped and what it had read by then."""
 
     name: str
     buffer: Buffer
@@ -56,9 +57,12 @@ class Reader:
     half_close: bool = False
     pause_after: float | None = None
     pause_seconds: float = 0.0
+    paused_ns: int = 0
+    paused_at_bytes: int = 0
     ended_ns: int = 0
     received: bytearray = field(default_factory=bytearray)
     stop: threading.Event = field(default_factory=threading.Event)
+    _pause_over: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
 
     @property
@@ -112,7 +116,9 @@ class Reader:
                 return
             if self.pause_after is not None and now - start >= self.pause_after:
                 self.pause_after = None
-                if self.stop.wait(self.pause_seconds):
+                self.paused_ns, self.paused_at_bytes = time.monotonic_ns(), self.bytes_read
+                self._pause_over.wait(self.pause_seconds)
+                if self.stop.is_set():
                     return
                 self.rate, phase_start, phase_bytes = 1 << 24, time.monotonic(), 0
                 continue
@@ -146,8 +152,13 @@ class Reader:
                 self.reset_ns = time.monotonic_ns()
                 return
 
+    def stop_pause(self) -> None:
+        """Ends a pause now: the reader reads again, as fast as it can."""
+        self._pause_over.set()
+
     def close(self) -> None:
         self.stop.set()
+        self._pause_over.set()
         if self.thread is not None:
             self.thread.join(timeout=2)
         if self.sock is not None:

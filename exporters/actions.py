@@ -54,6 +54,12 @@ def action_metrics(state: AgentState) -> Iterator[Metric]:
         value=tally.renewals_failed,
     )
     yield CounterMetricFamily(
+        "kvwatch_window_probes",
+        "Held streams whose socket was made to probe its reader's window each second "
+        "(keepalive), so a reader that drains is seen.",
+        value=tally.window_probes,
+    )
+    yield CounterMetricFamily(
         "kvwatch_tokens_unread_at_end",
         "Tokens engines wrote that their readers had not read when their streams ended: "
         "decoded for nobody (an estimate from each stream's unread backlog).",

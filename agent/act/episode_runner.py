@@ -12,6 +12,7 @@ about a socket in one call.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 from kvwatch.act.carry import Executor
 from kvwatch.act.record import Recorder
 from kvwatch.collect.collectors import ConnectionKey, connection_key
+from kvwatch.collect.window_probe import SocketGoneError
 from kvwatch.config.schema import PolicyConfig
+from kvwatch.errors import PrivilegeError
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.policy.decide import Decider, retry_after
 from kvwatch.policy.hold import NOT_NEWS, HoldSituation
@@ -30,6 +33,8 @@ from kvwatch.streams.look_timers import LookTimers
 from kvwatch.streams.states import StallJudgement, StallThresholds, judge
 from kvwatch.streams.timeline import Timelines, connection_id
 from kvwatch.streams.view import StreamView
+
+log = logging.getLogger(__name__)
 
 NS = 1_000_000_000
 # A stream whose reader is behind, or held, is looked at this often: a reader that drains
@@ -105,6 +110,7 @@ class EpisodeRunner:
         self.meter = FlowMeter()
         self.timers = LookTimers(self._look_at)
         self._zero_window_started: dict[int, int] = {}
+        self._probes_refused = False
 
     # -- what the daemon tells it ----------------------------------------------------------
 
@@ -142,11 +148,13 @@ class EpisodeRunner:
                 self._end(connection, now_ns)
 
     def gone(self, sample: SocketSample, now_ns: int) -> None:
-        """The socket closed: the one place where all that is kept about it ends."""
+        """The socket closed: the one place where all that is kept about it ends (its
+        keepalive probes ended with it)."""
         self.timers.forget(sample.key)
         self.meter.forget(sample.key)
         self._zero_window_started.pop(sample.key, None)
         self.executor.actions.checked.forget(sample.key)
+        self.executor.actions.worker.forget_probing(sample.key)
         self._end(connection_key(sample), now_ns)
 
     def stalled_connections(self) -> int:
@@ -242,6 +250,7 @@ class EpisodeRunner:
         if carries:
             await self._hold_part(episode, view, pressure, now_ns)
         if self._over(episode, judgement, pressure, carries):
+            await self.executor.actions.worker.stop_probing(sample.key)
             self._end(episode.connection, now_ns)
             return None
         return self._next_ns(episode, sample, judgement, carries, time.monotonic_ns())
@@ -286,6 +295,7 @@ class EpisodeRunner:
         reader caught up, renew the lease of a held one (kvwatch.policy.hold)."""
         hold = episode.hold
         self._sync_held(hold, held_as(view.engine), now_ns)
+        await self._probe_while_held(hold, view)
         if pressure.behind and not hold.behind_since_ns:
             hold.behind_since_ns = now_ns
         elif not pressure.behind:
@@ -325,6 +335,30 @@ class EpisodeRunner:
         elif tries < HOLD_TRIES:
             hold.decided.discard(action)
             hold.retry_ns = now_ns + int(HOLD_RETRY_SECONDS * NS)
+
+    async def _probe_while_held(self, hold: Hold, view: StreamView) -> None:
+        """A held stream's socket probes its reader's window each second, so a reader that
+        drains its backlog is seen even where its kernel sends no window update
+        (kvwatch.collect.window_probe); probing ends with the hold."""
+        worker, key = self.executor.actions.worker, view.sample.key
+        if not _holding(hold):
+            await worker.stop_probing(key)
+            return
+        if worker.probing(key) or self._probes_refused or not view.sample.inode:
+            return
+        try:
+            await worker.start_probing(view.sample, view.socket_pid)
+        except SocketGoneError:
+            return
+        except PrivilegeError as exc:
+            self._probes_refused = True
+            log.warning(
+                "%s: a held stream whose reader drains less than half its window is seen only "
+                'once more data flows (docs/agent.md, "Pause, park, release")',
+                exc,
+            )
+            return
+        self.executor.actions.tally.window_probes += 1
 
     async def _renew(self, hold: Hold, view: StreamView, now_ns: int) -> None:
         """Renews the engine's lease on a paused or parked request before it runs out (the

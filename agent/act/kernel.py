@@ -1,6 +1,7 @@
-"""Netlink work on one socket in its own network namespace — the kernel's view of it, and its
-reset with SOCK_DESTROY — on the one worker thread that may switch namespaces (setns changes
-the calling thread only; pyroute2 cannot run inside the event loop)."""
+"""Kernel work on one socket — the kernel's view of it and its reset with SOCK_DESTROY (netlink,
+in its own network namespace), and the keepalive probes that ask a held stream's reader for
+its window — on the one worker thread that may switch namespaces (setns changes the calling
+thread only; pyroute2 cannot run inside the event loop)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from kvwatch.collect.diag.destroy import DestroyResult, destroy_socket
 from kvwatch.collect.diag.snapshot import DiagClient
 from kvwatch.collect.diag.wire import DiagEntry
 from kvwatch.collect.netns import socket_namespace
+from kvwatch.collect.procfs import Procfs
+from kvwatch.collect.window_probe import WindowProbes
 from kvwatch.sockets import SocketSample
 
 
@@ -38,6 +41,26 @@ class SocketWorker:
     def __init__(self, procfs_root: str) -> None:
         self.procfs_root = procfs_root
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwatch-reset")
+        self._probes = WindowProbes(Procfs(procfs_root))
+
+    def probing(self, key: int) -> bool:
+        return key in self._probes
+
+    async def start_probing(self, sample: SocketSample, pid: int) -> None:
+        """Has the socket (owned by `pid`) probe its reader's window each second
+        (kvwatch.collect.window_probe); SocketGoneError, or PrivilegeError without the
+        capability."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._thread, self._probes.start, sample.key, pid, sample.inode)
+
+    def forget_probing(self, key: int) -> None:
+        """The socket closed: its probing ended with it (queued on the worker thread)."""
+        self._thread.submit(self._probes.forget, key)
+
+    async def stop_probing(self, key: int) -> None:
+        """Gives the socket back its own keepalive settings (a no-op when not probing)."""
+        if key in self._probes:
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._probes.stop, key)
 
     async def look_up(self, sample: SocketSample, pid: int) -> tuple[DiagEntry | None, int]:
         """The kernel's view of the socket (None: no such socket) and when it was taken

@@ -23,6 +23,7 @@ class ActionTally:
     resumes: int = 0
     renewals: int = 0
     renewals_failed: int = 0
+    window_probes: int = 0
 
     def reclaimed(self, blocks: int, nbytes: int) -> None:
         self.reclaimed_kv_blocks += blocks

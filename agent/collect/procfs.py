@@ -155,6 +155,21 @@ class Procfs:
                 inodes.append(inode)
         return inodes
 
+    def socket_fd(self, pid: int, inode: int) -> int | None:
+        """The fd number under which `pid` holds the socket with this inode, or None."""
+        fd_dir = os.path.join(self.root, str(pid), "fd")
+        try:
+            entries = list(os.scandir(fd_dir))
+        except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
+            return None
+        for entry in entries:
+            try:
+                if parse_socket_link(os.readlink(entry.path)) == inode:
+                    return int(entry.name)
+            except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError):
+                continue
+        return None
+
     def scan_socket_owners(self) -> dict[int, int]:
         """Socket inode -> pid for every process readable under the root (one full scan).
 

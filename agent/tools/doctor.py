@@ -36,7 +36,13 @@ from kvwatch.tools.client import DEFAULT_AGENT_URL, get_json
 from kvwatch.tools.tables import human_bytes
 
 Status = Literal["ok", "warn", "fail", "info"]
-CAPABILITIES = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21, "CAP_PERFMON": 38, "CAP_BPF": 39}
+CAPABILITIES = {
+    "CAP_NET_ADMIN": 12,
+    "CAP_SYS_PTRACE": 19,
+    "CAP_SYS_ADMIN": 21,
+    "CAP_PERFMON": 38,
+    "CAP_BPF": 39,
+}
 TRACEFS_PATHS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 HOOK_SOCKET = HookConfig().socket
 HEALTH_TIMEOUT_SECONDS = 2.0
@@ -90,6 +96,21 @@ def check_privileges(procfs_root: str) -> Check:
         return Check("privileges", "ok", detail)
     return Check(
         "privileges", "fail", detail, "run as root, or grant CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN"
+    )
+
+
+def check_window_probes(procfs_root: str) -> Check:
+    """Whether the agent can have a held stream's socket probe its reader's window
+    (kvwatch.collect.window_probe: pidfd_getfd needs CAP_SYS_PTRACE over the socket's owner)."""
+    status_text = Path(procfs_root, "self", "status").read_text()
+    if "CAP_SYS_PTRACE" in parse_effective_capabilities(status_text):
+        return Check("window probes", "ok", "CAP_SYS_PTRACE: held streams' readers are probed")
+    return Check(
+        "window probes",
+        "warn",
+        "no CAP_SYS_PTRACE: a paused stream whose reader drains less than half its window is "
+        "released only once more data flows",
+        "grant CAP_SYS_PTRACE (the systemd unit and the DaemonSet do)",
     )
 
 
@@ -445,6 +466,7 @@ def run_checks(
     checks = [
         Check("kernel", "info", f"{platform.release()} ({platform.machine()})"),
         check_privileges(readable_procfs),
+        check_window_probes(readable_procfs),
         check_btf(),
         check_tracefs(),
         check_libbpf(),

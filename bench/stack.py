@@ -44,7 +44,7 @@ async def stall_arrivals(
     MAX_STALLED_IN_FLIGHT are open at once; the rest are not started."""
     rng = random.Random(seed)
     stats = ClassStats("stalled", 0)
-    behaviour = Behaviour(stall_after_first_token=True, rcvbuf_bytes=rcvbuf_bytes)
+    behaviour = Behaviour(stall_after_tokens=1, rcvbuf_bytes=rcvbuf_bytes)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     tasks: set[asyncio.Task[Outcome]] = set()

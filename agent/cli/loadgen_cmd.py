@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from kvwatch.cli.ranges import NumberRange
+from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
 from kvwatch.errors import KvwatchError
 from kvwatch.loadgen import LoadPlan, LoadReport, render_text, run_load
 from kvwatch.loadgen.report import progress_line
@@ -73,7 +73,23 @@ class _Progress:
     type=click.IntRange(0, MAX_CLIENTS),
     default=0,
     show_default=True,
-    help="Clients that stop reading after the first token, connection kept open.",
+    help="Clients that stop reading after --stall-after-tokens tokens, connection kept open.",
+)
+@click.option(
+    "--stall-after-tokens",
+    type=click.IntRange(1, 1 << 20),
+    default=1,
+    show_default=True,
+    help="Tokens a stalled client reads before it stops reading.",
+)
+@click.option(
+    "--resume-after",
+    "resume_after_seconds",
+    type=NumberRange(0, MAX_WAIT_SECONDS),
+    default=None,
+    metavar="SECONDS",
+    help="A stalled client reads the rest of its answer this long after it stopped "
+    "(someone who came back) [default: never].",
 )
 @click.option(
     "--slow-bytes-per-second",
@@ -120,6 +136,8 @@ def command(
     healthy: int,
     slow: int,
     stalled: int,
+    stall_after_tokens: int,
+    resume_after_seconds: float | None,
     slow_bytes_per_second: int,
     rcvbuf_bytes: int,
     max_tokens: int,
@@ -140,6 +158,7 @@ def command(
     Example:
       kvwatch loadgen --url http://127.0.0.1:8000 --healthy 8 --stalled 2 --duration 30
       kvwatch loadgen --stalled 2 --rcvbuf-bytes 0 --long-max-tokens 1500
+      kvwatch loadgen --stalled 1 --stall-after-tokens 50 --resume-after 20
     """
     plan = LoadPlan(
         url=url,
@@ -154,6 +173,8 @@ def command(
         long_max_tokens=long_max_tokens,
         slow_bytes_per_second=slow_bytes_per_second,
         rcvbuf_bytes=rcvbuf_bytes,
+        stall_after_tokens=stall_after_tokens,
+        resume_after_seconds=resume_after_seconds,
     )
     show = sys.stderr.isatty() if progress is None else progress
     reporter = _Progress(duration_seconds) if show else None

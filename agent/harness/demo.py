@@ -1,13 +1,21 @@
-"""`kvwatch demo`: the reference engine, slow and stalled clients, and the agent — first
-observing only, then enforcing — with the numbers that show what a stalled client costs and
-what freeing its KV gives back. Every part is a real process on loopback; nothing is mocked.
+"""`kvwatch demo`: the reference engine with its defaults, healthy, slow and stopping clients,
+and the agent — first observing only, then enforcing — with the numbers that show what a
+client that stops reading costs and what pacing it by its reader gives back. Every part is a
+real process on loopback; nothing is mocked.
 
-The clients keep the kernel's default receive buffers, as browsers and SDKs do: a client that
-stops reading then pins its request's KV only once its answer outgrows what the buffers hold,
-so the slow and stalled clients ask for long answers (a reasoning model's). Enforcing, the
-agent parks each stalled request within seconds of its back-pressure (its KV freed, nothing
-cut) and cuts it only after the proof that its reader is gone, which for such a buffer takes
-half a minute or more (`DemoSettings`): the enforcing phase is long enough to show it.
+The clients keep the kernel's default receive buffers, as browsers and SDKs do; the engine
+keeps its default socket buffers and writes its events in ~1 KB chunks (its default). The
+stopping clients ask for long answers (a reasoning model's), stop reading after their first
+tokens and come back `away_seconds` later for the rest. Observing, the engine decodes their
+answers for nobody into the buffers, their KV held all the while. Enforcing, the agent
+pauses each one once its reader is a few seconds of its stream behind, parks it (its KV
+freed) and releases it when its reader comes back: it gets its whole answer, unchanged.
+
+A phase runs until its events have happened — every stopping client came back and got its
+answer, and the healthy clients finished enough requests — within a bound. The enforcing
+phase runs first and sets the length (its stopping clients get the rest of their answer
+only after they come back); the observing phase then runs exactly as long, so the two
+columns compare the same load over the same time on a machine of any speed.
 """
 
 from __future__ import annotations
@@ -24,63 +32,63 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.harness.stack import Stack
 from kvwatch.loadgen import LoadPlan, LoadReport, run_load
+from kvwatch.loadgen.report import ClassStats
 
 
-# A small pool and long prompts (a retrieval-augmented request carries its context): three
-# stalled requests pin most of the pool, so healthy ones queue behind them. A small send
-# buffer makes a stalled stream block after ~60 tokens, as a long (reasoning) generation
-# would with the kernel's default buffers.
 def engine_args(kv_blocks: int) -> tuple[str, ...]:
-    """The reference engine as the demo, the end-to-end tests and the benchmarks run it:
-    the tiny model, coupled egress (a blocked stream pins its KV), an 8 KiB send buffer."""
-    return (
-        "--model-size", "tiny", "--egress", "coupled", "--kv-blocks", str(kv_blocks),
-        "--sndbuf-bytes", "8192",
-    )  # fmt: skip
+    """The reference engine as the demo, the end-to-end tests and the benchmarks run it: the
+    tiny model, coupled egress (a stream its writer cannot send pins its KV), its default
+    socket buffers and write coalescing."""
+    return ("--model-size", "tiny", "--egress", "coupled", "--kv-blocks", str(kv_blocks))
 
 
 ENGINE_ARGS = engine_args(kv_blocks=160)
-# The demo's pool: each stalled request pins ~90 blocks (its prompt and the ~1000 tokens the
-# buffers took), so three of them hold most of it and healthy requests queue behind them.
+# The demo's pool: a stopping client's request holds ~130 blocks (its prompt and an answer of
+# ~1,500 tokens), so three of them hold most of it and healthy requests queue behind them.
 DEMO_KV_BLOCKS = 448
 PROMPT = (
     "Summarise the following maintenance log of a lighthouse. " + "The lamp was "
     "cleaned, the lens polished and the log signed at dawn. " * 8
 )
-
-
-# The slow client reads 8 KB/s through a 4 KiB receive buffer: slower than the stream, so its
-# window closes again and again, yet it never goes 2 s without ACK progress (0 of 5 demo runs
-# acted on it). At 2 KB/s (the loadgen's default) its window can stay shut for over 2 s
-# between reopenings, which the demo's 2 s threshold calls stalled: 2 of 4 demo runs cancelled
-# such a client. A threshold must exceed the slowest legitimate reader's refill gap
-# (docs/collector.md).
+# The slow client reads 8 KB/s: slower than its stream, so the agent paces it (paused while
+# it is behind, released as it drains), never cuts it.
 SLOW_BYTES_PER_SECOND = 8192
+PROGRESS_SECONDS = 0.5
 
 
 @dataclass
 class DemoSettings:
-    """`seconds` of observing, then `enforce_seconds` of enforcing: long enough for the proof
-    that cuts a stalled client with a default receive buffer on loopback. The demo's reader
-    guarantee is `min_reader_bytes_per_second` (6 KB/s: its slow client reads 8 KB/s): the
-    ~128 KB such a client holds would drain in 21 s, and the kernel's next zero-window probe
-    proves it did not, ~30-40 s into the stall. With the default 4 KB/s that probe comes ~63 s
-    in (measured here): too long for a demo, not for the KV, which the park freed."""
+    """The load of both phases. Each stopping client sends one request and reads
+    `stop_after_tokens` tokens; `returning` of them come back `away_seconds` later for the
+    rest, the others never do (a closed laptop, a crashed script: the connection stays). The
+    enforcing phase ends once every returning client got its answer and the healthy clients
+    finished `healthy_requests` requests, within `max_seconds`; the observing phase then
+    runs as long."""
 
-    seconds: float = 12.0
-    enforce_seconds: float = 50.0
     healthy: int = 4
     slow: int = 1
-    stalled: int = 3
+    stopping: int = 3
+    returning: int = 1
     max_tokens: int = 300
     long_max_tokens: int = 1400  # with the 602-token prompt, within the 2048 context
-    stall_seconds: float = 2.0
+    stop_after_tokens: int = 50
+    away_seconds: float = 20.0
+    healthy_requests: int = 20
+    max_seconds: float = 150.0
+    pause_seconds: float = 2.0
     park_seconds: float = 2.0
-    min_reader_bytes_per_second: int = 6144
     slow_bytes_per_second: int = SLOW_BYTES_PER_SECOND
 
-    def phase_seconds(self, mode: str) -> float:
-        return self.enforce_seconds if mode == "enforce" else self.seconds
+
+@dataclass
+class StoppedReader:
+    """What became of one stopping client's request while its reader was away: the tokens it
+    had read when it stopped, the most the engine had generated for it since, and the most
+    KV blocks it held meanwhile."""
+
+    read: int
+    generated: int = 0
+    peak_blocks: int = 0
 
 
 @dataclass
@@ -89,11 +97,19 @@ class PhaseResult:
 
     mode: str
     report: LoadReport
+    returning: int = 0
+    seconds: float = 0.0
+    events_happened: bool = False
     peak_waiting: float = 0.0
-    peak_backed_up_kv_bytes: float = 0.0
+    peak_unread_kv_bytes: float = 0.0
+    away: dict[str, StoppedReader] = field(default_factory=dict)
+    returned_whole: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
-    park_seconds: list[float] = field(default_factory=list)
-    cut_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def decoded_for_nobody(self) -> int:
+        """Tokens the engine generated for stopping clients while they were away."""
+        return sum(max(0, r.generated - r.read) for r in self.away.values())
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -107,84 +123,115 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
+class PhaseWatch:
+    """Looks at the engine every PROGRESS_SECONDS while a phase runs: the requests waiting,
+    and each stopping client's request while its reader is away."""
+
+    def __init__(self, stack: Stack, result: PhaseResult, settings: DemoSettings) -> None:
+        self.stack = stack
+        self.result = result
+        self.settings = settings
+        self.block_bytes = 0.0
+
+    def look(self, stopping: ClassStats) -> None:
+        engine = scrape(f"{self.stack.engine_url}/metrics")
+        self.block_bytes = engine.get("kvwatch_engine:kv_cache_block_size_bytes", 0.0)
+        waiting = engine.get("kvwatch_engine:num_requests_waiting", 0.0)
+        self.result.peak_waiting = max(self.result.peak_waiting, waiting)
+        away = [r for r in stopping.records if r.stopped_at is not None and not r.resumed]
+        if not away:
+            return
+        reports = httpx.get(f"{self.stack.engine_url}/v1/requests", timeout=2.0).json()["data"]
+        by_id = {report["request_id"]: report for report in reports}
+        unread_blocks = 0
+        for record in away:
+            report = by_id.get(f"cmpl-{record.request_id}")
+            if report is None:
+                continue
+            seen = self.result.away.setdefault(
+                record.request_id, StoppedReader(record.stopped_tokens)
+            )
+            seen.generated = max(seen.generated, report["tokens_generated"])
+            seen.peak_blocks = max(seen.peak_blocks, report["kv_blocks"])
+            unread_blocks += report["kv_blocks"]
+        unread_bytes = unread_blocks * self.block_bytes
+        self.result.peak_unread_kv_bytes = max(self.result.peak_unread_kv_bytes, unread_bytes)
+
+    def events_happened(self, stopping: ClassStats, healthy: ClassStats) -> bool:
+        """Every returning client came back and got a whole answer, and the healthy clients
+        finished enough requests."""
+        returned = [r for r in stopping.records if r.resumed and r.outcome == "finished"]
+        self.result.returned_whole = len(returned)
+        enough_healthy = healthy.outcomes["finished"] >= self.settings.healthy_requests
+        return len(returned) >= self.settings.returning and enough_healthy
+
+
 def run_phase(
-    settings: DemoSettings, mode: str, workdir: Path, say: Callable[[str], None]
+    settings: DemoSettings,
+    mode: str,
+    workdir: Path,
+    say: Callable[[str], None],
+    seconds: float | None = None,
 ) -> PhaseResult:
-    seconds = settings.phase_seconds(mode)
+    """One phase: until its events happened (within `settings.max_seconds`), or for exactly
+    `seconds` when given."""
     with Stack(workdir / mode) as stack:
         stack.start_agent(
-            "--mode", mode, "--stall-seconds", str(settings.stall_seconds), "--grace-seconds",
-            "0", "--park-seconds", str(settings.park_seconds), "--min-reader-rate",
-            str(settings.min_reader_bytes_per_second),
+            "--mode", mode, "--grace-seconds", "0",
+            "--pause-seconds", str(settings.pause_seconds),
+            "--park-seconds", str(settings.park_seconds),
         )  # fmt: skip
         stack.start_engine(
             *engine_args(DEMO_KV_BLOCKS), "--max-tokens-limit", str(settings.long_max_tokens)
         )
+        stack.wait_engine_connected()
+        length = f"{seconds:.0f} s" if seconds else "until its events happened"
         say(
-            f"[{mode}] engine and agent up; {settings.healthy} healthy, {settings.slow} slow, "
-            f"{settings.stalled} stalled clients (kernel-default receive buffers) for "
-            f"{seconds:.0f} s"
+            f"[{mode}] {settings.healthy} healthy, {settings.slow} slow and "
+            f"{settings.stopping} stopping clients (kernel-default buffers), {length}"
         )
         plan = LoadPlan(
             url=stack.engine_url,
             healthy=settings.healthy,
             slow=settings.slow,
             slow_bytes_per_second=settings.slow_bytes_per_second,
-            stalled=settings.stalled,
-            duration_seconds=seconds,
+            stalled=settings.stopping,
+            stall_after_tokens=settings.stop_after_tokens,
+            resume_after_seconds=settings.away_seconds,
+            returning=settings.returning,
+            stalled_requests=1,
+            duration_seconds=seconds or settings.max_seconds,
             max_tokens=settings.max_tokens,
             long_max_tokens=settings.long_max_tokens,
             rcvbuf_bytes=0,
             prompt=PROMPT,
         )
-        result = PhaseResult(mode, report=None)  # type: ignore[arg-type]
+        result = PhaseResult(mode, report=None, returning=settings.returning)  # type: ignore[arg-type]
+        watch = PhaseWatch(stack, result, settings)
 
-        def sample(_: LoadReport) -> None:
-            engine_metrics = scrape(f"{stack.engine_url}/metrics")
-            agent_metrics = scrape(f"{stack.agent_url}/metrics")
-            result.peak_waiting = max(
-                result.peak_waiting, engine_metrics.get("kvwatch_engine:num_requests_waiting", 0.0)
-            )
-            result.peak_backed_up_kv_bytes = max(
-                result.peak_backed_up_kv_bytes,
-                sum(
-                    agent_metrics.get(f"kvwatch_streams_kv_held_bytes{{state={state}}}", 0.0)
-                    for state in ("zero_window", "stalled")
-                ),
-            )
+        def progress(stats: dict[str, ClassStats]) -> bool:
+            watch.look(stats["stalled"])
+            done = watch.events_happened(stats["stalled"], stats["healthy"])
+            return done and seconds is None
 
         result.report = asyncio.run(
-            run_load(plan, on_progress=sample, progress_interval_seconds=0.5)
+            run_load(plan, on_stats=progress, progress_interval_seconds=PROGRESS_SECONDS)
         )
+        result.seconds = result.report.duration_seconds
+        result.events_happened = result.returned_whole >= settings.returning
         result.metrics = scrape(f"{stack.agent_url}/metrics")
-        result.park_seconds, result.cut_seconds = freeing_times(stack.audit_entries())
     return result
 
 
-def freeing_times(entries: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
-    """Seconds from the start of each stream's back-pressure to its KV freed by a park, and
-    to its cut (the cancel's acknowledgement), from the agent's audit log."""
-    decisions = {e["decision_id"]: e for e in entries if e["kind"] == "decision"}
-    parks: list[float] = []
-    cuts: list[float] = []
-    for outcome in (e for e in entries if e["kind"] == "outcome"):
-        decision = decisions[outcome["decision_id"]]
-        took = (outcome["monotonic_ns"] - decision["monotonic_ns"]) / 1e9
-        seconds = round(decision["evidence"]["stalled_seconds"] + took, 2)
-        if outcome["result"]["status"] == "parked":
-            parks.append(seconds)
-        elif outcome["result"]["status"] == "cancelled":
-            cuts.append(seconds)
-    return parks, cuts
-
-
 def run_demo(settings: DemoSettings, say: Callable[[str], None]) -> list[PhaseResult]:
+    """The enforcing phase until its events happened, then the observing phase as long; the
+    results in the order people read them: observing, enforcing."""
     with tempfile.TemporaryDirectory(prefix="kvwatch-demo-") as tmp:
-        results = []
         for mode in ("observe", "enforce"):
             (Path(tmp) / mode).mkdir()
-            results.append(run_phase(settings, mode, Path(tmp), say))
-        return results
+        enforced = run_phase(settings, "enforce", Path(tmp), say)
+        observed = run_phase(settings, "observe", Path(tmp), say, seconds=enforced.seconds)
+        return [observed, enforced]
 
 
 def counted(result: PhaseResult, metric: str, *labels: str) -> float:
@@ -196,19 +243,17 @@ def counted(result: PhaseResult, metric: str, *labels: str) -> float:
     )
 
 
-def decided(result: PhaseResult, reason: str) -> float:
-    """Decisions to act (or that would act, observing) for `reason`: `backpressure` parks,
-    `stalled` cuts."""
+def decided(result: PhaseResult, action: str) -> float:
+    """Holds the agent made (or would have made, observing) of one kind, from its decision
+    counts: `reader_behind` pauses, `reader_still_behind` parks."""
+    reason = {"pause": "reader_behind", "park": "reader_still_behind"}[action]
     return counted(result, "kvwatch_policy_decisions_total", f"reason={reason}") - counted(
         result, "kvwatch_policy_decisions_total", f"reason={reason}", "verdict=skip"
     )
 
 
-def spread(values: list[float]) -> str:
-    if not values:
-        return "-"
-    ordered = sorted(values)
-    return f"{ordered[len(ordered) // 2]:.1f} ({ordered[0]:.1f}-{ordered[-1]:.1f})"
+def done(result: PhaseResult, action: str, status: str) -> float:
+    return counted(result, "kvwatch_actions_total", f"action={action}", f"result={status}")
 
 
 def summary_rows(results: list[PhaseResult]) -> list[tuple[str, list[str]]]:
@@ -219,41 +264,43 @@ def summary_rows(results: list[PhaseResult]) -> list[tuple[str, list[str]]]:
         return f"{p99 * 1000:.0f}" if p99 is not None else "-"
 
     mib = 1 << 20
+
+    def rows(name: str, value: Callable[[PhaseResult], Any]) -> tuple[str, list[str]]:
+        return name, [str(value(r)) for r in results]
+
     return [
-        ("healthy TTFT p99 (ms)", [ttft_p99_ms(r) for r in results]),
-        (
-            "healthy tokens/s",
-            [f"{r.report.classes['healthy'].tokens_per_second:.0f}" for r in results],
+        rows("phase length (s)", lambda r: f"{r.seconds:.0f}"),
+        rows("healthy TTFT p99 (ms)", ttft_p99_ms),
+        rows("healthy tokens/s", lambda r: f"{r.report.classes['healthy'].tokens_per_second:.0f}"),
+        rows("peak requests waiting", lambda r: f"{r.peak_waiting:.0f}"),
+        rows("tokens decoded for nobody (stopped readers)", lambda r: str(r.decoded_for_nobody)),
+        rows(
+            "peak KV held for unread streams (MiB)",
+            lambda r: f"{r.peak_unread_kv_bytes / mib:.1f}",
         ),
-        ("peak requests waiting", [f"{r.peak_waiting:.0f}" for r in results]),
-        (
-            "peak KV held by backed-up streams (MiB)",
-            [f"{r.peak_backed_up_kv_bytes / mib:.1f}" for r in results],
+        rows(
+            "streams paused, slow reader's too (observing: would pause)",
+            lambda r: (
+                f"{decided(r, 'pause') if r.mode == 'observe' else done(r, 'pause', 'paused'):.0f}"
+            ),
         ),
-        (
-            "streams parked (observing: would park)",
-            [f"{decided(r, 'backpressure'):.0f}" for r in results],
+        rows(
+            "streams parked, KV freed (observing: would park)",
+            lambda r: (
+                f"{decided(r, 'park') if r.mode == 'observe' else done(r, 'park', 'parked'):.0f}"
+            ),
         ),
-        (
-            "KV freed by parks (MiB)",
-            [f"{counted(r, 'kvwatch_parks_freed_kv_bytes_total') / mib:.1f}" for r in results],
+        rows(
+            "released when their reader caught up",
+            lambda r: f"{done(r, 'release', 'released'):.0f}",
         ),
-        ("back-pressure to KV freed by park (s)", [spread(r.park_seconds) for r in results]),
-        (
-            "parked requests resumed (client read again)",
-            [f"{counted(r, 'kvwatch_parks_resumed_total'):.0f}" for r in results],
+        rows(
+            "returning readers who got the whole answer",
+            lambda r: f"{r.returned_whole} of {r.returning}",
         ),
-        ("stalled requests proven (would cut)", [f"{decided(r, 'stalled'):.0f}" for r in results]),
-        (
-            "stalled requests cut after the proof",
-            [
-                f"{counted(r, 'kvwatch_actions_total', 'action=cancel', 'result=cancelled'):.0f}"
-                for r in results
-            ],
+        rows(
+            "cut (the proof that a reader is gone)",
+            lambda r: f"{done(r, 'cancel', 'cancelled'):.0f}",
         ),
-        ("back-pressure to cut (s)", [spread(r.cut_seconds) for r in results]),
-        (
-            "slow-but-draining clients cut",
-            [str(r.report.classes["slow"].reset) for r in results],
-        ),
+        rows("slow readers cut", lambda r: str(r.report.classes["slow"].reset)),
     ]

@@ -49,40 +49,52 @@ class Connection:
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     counter: itertools.count[int] = field(default_factory=itertools.count)
 
-    def request(self, client_class: str) -> bytes:
-        request_id = f"{client_class}-{self.run_id}-{next(self.counter)}"
+    def next_request_id(self, client_class: str) -> str:
+        return f"{client_class}-{self.run_id}-{next(self.counter)}"
+
+    def request(self, request_id: str) -> bytes:
         return build_request(self.target, "POST", self.path, self.body, request_id)
 
 
 @dataclass(frozen=True)
 class Behaviour:
     """How a client reads: `bytes_per_second` 0 means as fast as it can; a stalling client
-    stops reading after its first token. `rcvbuf_bytes` 0 keeps the kernel's default."""
+    (`stall_after_tokens` > 0) stops reading once it has read that many tokens and keeps the
+    connection open, and, with `resume_after_seconds`, reads the rest of its answer that
+    long after it stopped (someone who came back). `rcvbuf_bytes` 0 keeps the kernel's
+    default."""
 
     bytes_per_second: int = 0
-    stall_after_first_token: bool = False
+    stall_after_tokens: int = 0
+    resume_after_seconds: float | None = None
     rcvbuf_bytes: int = 0
 
 
-async def client_loop(conn: Connection, stats: ClassStats, behaviour: Behaviour) -> None:
-    """Sends requests one after another until cancelled (the end of the run)."""
-    while True:
+async def client_loop(
+    conn: Connection, stats: ClassStats, behaviour: Behaviour, requests: int | None = None
+) -> None:
+    """Sends requests one after another until cancelled (the end of the run), or until it
+    sent `requests` of them (then it waits for the end)."""
+    sent = 0
+    while requests is None or sent < requests:
         outcome = await stream_request(conn, stats, behaviour)
+        sent += 1
         if outcome == "error":
             await asyncio.sleep(ERROR_PAUSE_SECONDS)  # no hot loop against a failing server
+    await asyncio.Event().wait()
 
 
 async def stream_request(conn: Connection, stats: ClassStats, behaviour: Behaviour) -> Outcome:
     """One streaming request; records its tokens and outcome in `stats`."""
     loop = asyncio.get_running_loop()
-    record = stats.begin(loop.time())
+    record = stats.begin(loop.time(), conn.next_request_id(stats.name))
     sock = socket.socket(conn.family, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
         if behaviour.rcvbuf_bytes:  # before connect, so the window scale stays small
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, behaviour.rcvbuf_bytes)
         await loop.sock_connect(sock, conn.address)
-        await loop.sock_sendall(sock, conn.request(stats.name))
+        await loop.sock_sendall(sock, conn.request(record.request_id))
         record.outcome = await _read_response(sock, conn, stats, record, behaviour)
     except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
         record.outcome = "reset"
@@ -119,8 +131,13 @@ async def _read_response(
             return await _http_error(sock, response, body, record)
         for payload in events.feed(body):
             done = done or _on_event(payload, conn, stats, record)
-        if behaviour.stall_after_first_token and record.first_token_at is not None and not done:
-            return await _hold(sock, record)
+        stall = behaviour.stall_after_tokens
+        if stall and record.tokens >= stall and not done and not record.stopped_at:
+            record.stopped_at, record.stopped_tokens = loop.time(), record.tokens
+            held = await _hold(sock, record, behaviour.resume_after_seconds)
+            if held is not None:
+                return held
+            record.resumed = True
         if behaviour.bytes_per_second:
             await asyncio.sleep(len(data) / behaviour.bytes_per_second)
     if response.status is None:
@@ -157,14 +174,23 @@ async def _http_error(
     return "error"
 
 
-async def _hold(sock: socket.socket, record: RequestRecord) -> Outcome:
-    """Keeps the connection open without reading until the peer resets it (or the run ends)."""
+async def _hold(
+    sock: socket.socket, record: RequestRecord, seconds: float | None = None
+) -> Outcome | None:
+    """Keeps the connection open without reading until the peer resets it, `seconds` pass
+    (None: until the run ends) or the run ends; the outcome once the hold ended the request,
+    None when the time passed and the client reads on."""
     record.outcome = "stalled"  # what the run's end will find
-    while True:
+    deadline = None if seconds is None else asyncio.get_running_loop().time() + seconds
+    while deadline is None or asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(HOLD_POLL_SECONDS)
         code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)  # does not read data
         if code in RESET_ERRNOS:
-            return "reset"
+            record.outcome = "reset"
+            return record.outcome
         if code:
             record.error = os.strerror(code)
-            return "error"
+            record.outcome = "error"
+            return record.outcome
+    record.outcome = "incomplete"
+    return None

@@ -36,21 +36,29 @@ class Percentiles:
 
 @dataclass
 class RequestRecord:
-    """One request's progress; its client sets `outcome` as it learns more."""
+    """One request's progress; its client sets `outcome` as it learns more. `tokens` is how
+    many it read; a stalling client's `stopped_at` is when it stopped reading (None: it did
+    not), `stopped_tokens` what it had read by then, `resumed` whether it came back."""
 
     started: float
+    request_id: str = ""
     outcome: Outcome = "incomplete"
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: str | None = None
     error: str = ""
+    tokens: int = 0
+    stopped_at: float | None = None
+    stopped_tokens: int = 0
+    resumed: bool = False
 
 
 class ClassStats:
     """Accumulates one client class's measurements.
 
     Owned by the event loop that runs the clients (no locks): clients call `begin`, `token` and
-    `end`; the runner reads `report` at any time. Every begun request is ended exactly once.
+    `end`; the runner reads `report` at any time. Every begun request is ended exactly once;
+    `records` keeps each (its id, the tokens its client read, when it stopped reading).
     """
 
     def __init__(self, name: ClientClass, clients: int) -> None:
@@ -64,13 +72,17 @@ class ClassStats:
         self.itl_seconds: list[float] = []
         self.reset_after_seconds: list[float] = []
         self.errors: list[str] = []
+        self.records: list[RequestRecord] = []
 
-    def begin(self, now: float) -> RequestRecord:
+    def begin(self, now: float, request_id: str = "") -> RequestRecord:
         self.requests += 1
-        return RequestRecord(started=now)
+        record = RequestRecord(started=now, request_id=request_id)
+        self.records.append(record)
+        return record
 
     def token(self, record: RequestRecord, now: float) -> None:
         self.tokens += 1
+        record.tokens += 1
         if record.last_token_at is None:
             record.first_token_at = now
             self.ttft_seconds.append(now - record.started)

@@ -23,6 +23,8 @@ from kvwatch.loadgen.report import CLIENT_CLASSES, ClassStats, ClientClass, Load
 
 MAX_MODELS_BYTES = 1024 * 1024
 ProgressCallback = Callable[[LoadReport], None]
+# Looks at each class's running measurements (its records too); True ends the run now.
+StatsCallback = Callable[[dict[ClientClass, ClassStats]], bool]
 # What a server that is not OpenAI-compatible (or not there) makes reading /v1/models raise.
 _MODEL_LIST_ERRORS = (
     OSError,
@@ -37,9 +39,12 @@ _MODEL_LIST_ERRORS = (
 @dataclass(frozen=True)
 class LoadPlan:
     """What to run. Healthy clients read as fast as they can; slow ones read
-    `slow_bytes_per_second`; stalled ones stop reading after their first token and keep the
-    connection open. Slow and stalled clients set SO_RCVBUF to `rcvbuf_bytes` before connecting
-    (0 keeps the kernel default) and ask for `long_max_tokens` (None: `max_tokens`): with the
+    `slow_bytes_per_second`; stalled ones stop reading after `stall_after_tokens` tokens and
+    keep the connection open; with `resume_after_seconds`, `returning` of them (None: all)
+    read the rest that long after they stopped, the others never do; each sends
+    `stalled_requests` requests (None: one after another to the end). Slow and stalled
+    clients set SO_RCVBUF to `rcvbuf_bytes` before connecting (0 keeps the kernel default)
+    and ask for `long_max_tokens` (None: `max_tokens`): with the
     kernel's default buffers only a long answer outgrows what the buffers hold, and that is
     the answer a client that stops reading pins. Every client sends its next request when
     one ends.
@@ -57,6 +62,10 @@ class LoadPlan:
     long_max_tokens: int | None = None
     slow_bytes_per_second: int = 2048
     rcvbuf_bytes: int = 4096
+    stall_after_tokens: int = 1
+    resume_after_seconds: float | None = None
+    returning: int | None = None
+    stalled_requests: int | None = None
     connect_timeout_seconds: float = 5.0
 
     def __post_init__(self) -> None:
@@ -64,6 +73,14 @@ class LoadPlan:
         for name in ("healthy", "slow", "stalled", "rcvbuf_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative", "pass 0 or more")
+        if self.stall_after_tokens < 1:
+            raise ConfigError("stall_after_tokens must be positive", "pass 1 or more")
+        if self.resume_after_seconds is not None and self.resume_after_seconds < 0:
+            raise ConfigError("resume_after_seconds must not be negative", "pass 0 or more")
+        if self.returning is not None and not 0 <= self.returning <= self.stalled:
+            raise ConfigError("returning must be 0..stalled", f"pass 0 to {self.stalled}")
+        if self.stalled_requests is not None and self.stalled_requests < 1:
+            raise ConfigError("stalled_requests must be positive", "pass 1 or more, or None")
         if self.long_max_tokens is not None and self.long_max_tokens <= 0:
             raise ConfigError("long_max_tokens must be positive", "pass a number above 0")
         for name in ("duration_seconds", "max_tokens", "slow_bytes_per_second"):
@@ -82,11 +99,17 @@ class LoadPlan:
     def clients(self, name: ClientClass) -> int:
         return {"healthy": self.healthy, "slow": self.slow, "stalled": self.stalled}[name]
 
-    def behaviour(self, name: ClientClass) -> Behaviour:
+    def behaviour(self, name: ClientClass, index: int = 0) -> Behaviour:
+        """How the `index`-th client of class `name` reads."""
         if name == "slow":
             return Behaviour(self.slow_bytes_per_second, rcvbuf_bytes=self.rcvbuf_bytes)
         if name == "stalled":
-            return Behaviour(stall_after_first_token=True, rcvbuf_bytes=self.rcvbuf_bytes)
+            returns = self.returning is None or index < self.returning
+            return Behaviour(
+                stall_after_tokens=self.stall_after_tokens,
+                resume_after_seconds=self.resume_after_seconds if returns else None,
+                rcvbuf_bytes=self.rcvbuf_bytes,
+            )
         return Behaviour()
 
 
@@ -94,8 +117,11 @@ async def run_load(
     plan: LoadPlan,
     on_progress: ProgressCallback | None = None,
     progress_interval_seconds: float = 1.0,
+    on_stats: StatsCallback | None = None,
 ) -> LoadReport:
-    """Runs `plan` and reports per class; raises KvwatchError when the server is unreachable."""
+    """Runs `plan` and reports per class; raises KvwatchError when the server is unreachable.
+    Every `progress_interval_seconds`, `on_progress` gets the report so far and `on_stats`
+    the measurements themselves, and ends the run early by returning True."""
     loop = asyncio.get_running_loop()
     target = Target.parse(plan.url)
     family, address = await _resolve(target)
@@ -123,9 +149,16 @@ async def run_load(
         return LoadReport(target.base_url + path, plan.endpoint, model, elapsed, reports)
 
     tasks = [
-        asyncio.create_task(client_loop(conns[name], stats[name], plan.behaviour(name)))
+        asyncio.create_task(
+            client_loop(
+                conns[name],
+                stats[name],
+                plan.behaviour(name, index),
+                plan.stalled_requests if name == "stalled" else None,
+            )
+        )
         for name in CLIENT_CLASSES
-        for _ in range(plan.clients(name))
+        for index in range(plan.clients(name))
     ]
     try:
         deadline = started + plan.duration_seconds
@@ -135,6 +168,8 @@ async def run_load(
                 task.result()  # clients only end by cancellation: anything else is a bug
             if on_progress is not None:
                 on_progress(snapshot())
+            if on_stats is not None and on_stats(stats):
+                break
     finally:
         for task in tasks:
             task.cancel()

@@ -17,15 +17,18 @@ from kvwatch.harness import stack as processes
 from kvwatch.loadgen import LoadPlan, LoadReport, run_load
 from kvwatch.loadgen.http import Target, build_request, completion_body
 
-# The demo's engine (stalled clients pin KV), with room for the tests' long generations.
-ENGINE_ARGS = (*demo.ENGINE_ARGS, "--max-tokens-limit", "4000")
+# The demo's engine with room for the tests' long generations. These tests are about the
+# cut, so they run a labelled variant: an 8 KiB send buffer and 4 KB clients, with which a
+# stall and its proof come after a few hundred tokens (pausing and parking at default
+# buffers are tests/verdicts/test_reader_paced.py's).
+ENGINE_ARGS = (*demo.ENGINE_ARGS, "--sndbuf-bytes", "8192", "--max-tokens-limit", "4000")
 STALL_SECONDS = 2.0
 
 
 class Stack(processes.Stack):
     """kvwatch.harness.stack.Stack with the tests' engine, a 2 s stall threshold, no grace
-    period and park off (these tests are about the cut; a test of parking passes
-    `--park on`, which wins, being later), plus the test clients."""
+    period, pause and park off (these tests are about the cut; a test of holding passes
+    `--pause on`, which wins, being later), plus the test clients."""
 
     def start_engine(self, *args: str) -> processes.Service:
         return super().start_engine(*ENGINE_ARGS, *args)
@@ -42,6 +45,8 @@ class Stack(processes.Stack):
             str(STALL_SECONDS),
             "--grace-seconds",
             "0",
+            "--pause",
+            "off",
             "--park",
             "off",
             *args,

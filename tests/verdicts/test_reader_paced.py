@@ -23,6 +23,7 @@ from .netlab import Link
 from .readers import Reader
 
 __all__ = ["engine_lab"]  # the fixture
+pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
 PAUSE_SECONDS = 2.0
 PARK_SECONDS = 2.0
 # A long answer (a reasoning model's): the one a reader that stops pins. With its first

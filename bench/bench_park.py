@@ -1,5 +1,5 @@
-"""Parking a request whose client stops reading (issue #23): how to bring its KV back, and how
-often a slow reader is parked.
+"""Parking a request (issue #23): how to bring its KV back, and what a park and a release
+cost on the real engine.
 
 1. Restore: (a) copy the request's KV blocks to host memory on park and back on resume, or
    (b) free them and recompute the context on resume (what preemption does). For one request
@@ -10,31 +10,27 @@ often a slow reader is parked.
    sampled with a seed, generated unparked and with a park in the middle under (a) and (b),
    in float32 (the CPU default) and bfloat16 (the CUDA default); identical means the same
    token ids. And how far recomputed KV is from the KV computed token by token.
-2. Re-parks: a reader at 4 KB/s on average (4 KB receive buffer, 4 KB server send buffer)
-   streams a long answer from a real engine over HTTP, steadily or in bursts with pauses; a
-   stand-in for the agent parks the request once it has been blocked on its client, with no
-   progress, for `policy.park_seconds` (2 s, the agent's default). Measured with parking off,
-   with the resumed request's queue widened (the default), and without widening
-   (`park_resume_buffer_tokens` 0): parks, resumes, when the reader got [DONE], its longest
-   wait for data, and the KV block-seconds the request held.
+2. Round trips on the real engine (the default model, CPU): a request at 64, 512 and 2048
+   tokens of context, blocked on a reader that reads nothing, is parked (`Engine.park`, from
+   the call to its answer: the copy done and the blocks free) and released (`Engine.release`,
+   from the call to its answer, and to `on_resumed`: admitted again, its KV copied back),
+   ROUND_TRIPS times each; medians. A release is the agent's, or the engine hook's when the
+   agent's lease runs out (docs/protocol.md, "Pause and release").
 
-Measured here (2 shared cores, small model): a park costs 0.16/0.44/1.1 ms at 64/512/2048
-tokens with the copy, a resume 0.5/0.8/1.6 ms more than an unparked step, holding 0.6/4.3/16.9
-MB of host memory; recomputing costs 5.9/62/448 ms more. Copy: 100 of 100 runs identical in
-both dtypes. Recompute: identical in float32 (its KV off by up to 4e-4), 91 of 100 in bfloat16
-(off by up to 0.27). Bursty reader: 7 parks unwidened, 1 widened; [DONE] after 27.2 s off,
-24.1 s widened; KV held 483 block-seconds off, 354 unwidened, 42 widened; the longest wait
-for data 6-9 ms in every run.
+Measured here (2 shared cores, small model): a park costs 0.26/1.4/2.9 ms at 64/512/2048
+tokens with the copy, a resume 0.8/1.9/8.8 ms more than an unparked step, holding 0.6/4.3/16.9
+MB of host memory; recomputing costs 8.6/85/673 ms more. Copy: 100 of 100 runs identical in
+both dtypes. Recompute: identical in float32 (its KV off by up to 4e-4), 84 of 100 in bfloat16
+(off by up to 0.27). Round trips on the engine: a park 0.6/1.1/15 ms (2.5 ms in quieter runs),
+a release 0.1/0.1/0.3 ms, the KV back 0.5/1.3/5.1 ms after it.
 
 Run: `python -m bench.bench_park`. Writes bench/results/park.json.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import socket
 import statistics
 import threading
 import time
@@ -48,9 +44,9 @@ from bench.common import write_result
 from kvwatch.engine.attention import PagedKVStorage
 from kvwatch.engine.config import DEFAULT_MODEL_SIZE, MODEL_SHAPES, EngineConfig
 from kvwatch.engine.engine import Engine
-from kvwatch.engine.engine_server import EngineServer
 from kvwatch.engine.kv_cache import KVCacheManager
 from kvwatch.engine.model import ByteTokenizer, TransformerModel
+from kvwatch.engine.requests import GenerationRequest
 from kvwatch.engine.runner import ModelRunner, Sampling
 from kvwatch.engine.scheduler import Sequence
 
@@ -66,17 +62,8 @@ SAMPLING_TEMPERATURE = 0.8
 SCRIBBLE = 1e4
 WORDS = ("kv", "cache", "block", "stall", "window", "token", "stream", "engine", "park")
 
-READER_BYTES_PER_SECOND = 4096
-READER_CHUNK_BYTES = 1024
-# Steady (1 KB every 0.25 s: ACKs never stop for park_seconds) and bursty (12 KB, then 3 s
-# without reading: each pause is back-pressure with no progress for more than park_seconds).
-READER_BURSTS_BYTES = (1024, 12 * 1024)
-READER_RCVBUF_BYTES = 4096
-SERVER_SNDBUF_BYTES = 4096
-SLOW_MAX_TOKENS = 600
-PARK_SECONDS = 2.0
-AGENT_LOOK_SECONDS = 0.05
-READ_TIMEOUT_SECONDS = 300.0
+ROUND_TRIPS = 7
+READ_TIMEOUT_SECONDS = 60.0
 
 
 @dataclass
@@ -150,7 +137,7 @@ class OneRequest:
         return seq.token_ids[len(prompt) :]
 
     def _copy_out(self, request_id: str) -> torch.Tensor:
-        return self.storage.copy_out(self.kv.block_table(request_id))
+        return self.storage.copy_out(self.kv.block_table(request_id)).blocks
 
     def _copy_in(self, seq: Sequence, kept: torch.Tensor | None) -> None:
         assert kept is not None
@@ -246,10 +233,10 @@ def kv_difference(engine_parts: OneRequest, prompts: list[list[int]]) -> float:
         while seq.num_generated < PARK_AFTER_TOKENS:
             engine_parts.step(seq, Sampling())
         computed = seq.num_computed_tokens
-        stepwise = engine_parts.storage.copy_out(engine_parts.kv.block_table("bench"))
+        stepwise = engine_parts.storage.copy_out(engine_parts.kv.block_table("bench")).blocks
         seq.num_computed_tokens = 0
         engine_parts.step(seq, Sampling())
-        recomputed = engine_parts.storage.copy_out(engine_parts.kv.block_table("bench"))
+        recomputed = engine_parts.storage.copy_out(engine_parts.kv.block_table("bench")).blocks
         engine_parts.kv.free("bench")
         rows = [
             kv.flatten(2, 3)[:, :, :computed].float()
@@ -259,106 +246,62 @@ def kv_difference(engine_parts: OneRequest, prompts: list[list[int]]) -> float:
     return largest
 
 
-class AgentStandIn:
-    """Parks the slow request once the engine has shown it blocked on its client for
-    PARK_SECONDS (the agent judges the socket; the engine's state is the same fact seen from
-    inside), and adds up the KV block-seconds it held. Looks every AGENT_LOOK_SECONDS."""
-
-    def __init__(self, engine: Engine, request_id: str) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.outcomes: list[str] = []
-        self.block_seconds = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        blocked_since: float | None = None
-        while not self._stop.wait(AGENT_LOOK_SECONDS):
-            now = time.monotonic()
-            mine = [r for r in self.engine.stats().requests if r.request_id == self.request_id]
-            if not mine:
-                blocked_since = None
-                continue
-            self.block_seconds += mine[0].kv_blocks * AGENT_LOOK_SECONDS
-            if mine[0].state != "egress_blocked":
-                blocked_since = None
-            elif blocked_since is None:
-                blocked_since = now
-            elif now - blocked_since >= PARK_SECONDS:
-                self.outcomes.append(self.engine.park(self.request_id, "backpressure").status)
-                blocked_since = None
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def read_slowly(address: tuple[str, int], request_id: str, burst_bytes: int) -> dict[str, Any]:
-    """Streams SLOW_MAX_TOKENS tokens at READER_BYTES_PER_SECOND on average: `burst_bytes` as
-    fast as they come, then a pause as long as they take at that rate. Returns when [DONE]
-    came, the longest wait for data (pauses aside), and the text."""
-    body = json.dumps({"prompt": "park me", "max_tokens": SLOW_MAX_TOKENS, "stream": True})
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {address[0]}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        f"X-Request-Id: {request_id}\r\n\r\n"
-    )
-    data = bytearray()
-    longest_wait = 0.0
-    with socket.socket() as client:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, READER_RCVBUF_BYTES)
-        client.settimeout(READ_TIMEOUT_SECONDS)
-        client.connect(address)
-        started = time.monotonic()
-        client.sendall(head.encode() + body.encode())
-        burst = 0
-        while b"data: [DONE]" not in data[-64:]:
-            asked = time.monotonic()
-            chunk = client.recv(min(READER_CHUNK_BYTES, burst_bytes - burst))
-            longest_wait = max(longest_wait, time.monotonic() - asked)
-            if not chunk:
-                raise RuntimeError("the engine closed the stream before [DONE]")
-            data += chunk
-            burst += len(chunk)
-            if burst >= burst_bytes:
-                time.sleep(burst / READER_BYTES_PER_SECOND)  # deliberate: the reader's pace
-                burst = 0
-        done = time.monotonic() - started
-    events = [line[6:] for line in data.decode().split("\n") if line.startswith("data: {")]
-    texts = [json.loads(event)["choices"][0]["text"] for event in events]
-    return {
-        "done_seconds": round(done, 2),
-        "longest_wait_seconds": round(longest_wait, 3),
-        "bytes": len(data),
-        "tokens": sum(1 for text in texts if text),
-        "text": "".join(texts),
-    }
-
-
-def slow_reader(name: str, burst_bytes: int, **settings: Any) -> dict[str, Any]:
-    """One slow reader against a fresh engine with these settings, the agent stand-in on."""
-    config = EngineConfig(model_size=DEFAULT_MODEL_SIZE, device="cpu", kv_blocks=256, **settings)
-    server = EngineServer(Engine(config), "127.0.0.1", 0, sndbuf_bytes=SERVER_SNDBUF_BYTES)
-    server.start_in_thread()
-    agent = AgentStandIn(server.engine, "cmpl-slow")
+def round_trips() -> list[dict[str, Any]]:
+    """Part 2: park and release on a running engine, per context length (see the module)."""
+    config = EngineConfig(model_size=DEFAULT_MODEL_SIZE, device="cpu", kv_blocks=POOL_BLOCKS)
+    engine = Engine(config)
+    engine.start()
+    rows: list[dict[str, Any]] = []
     try:
-        read = read_slowly(server.address, "slow", burst_bytes)
+        for context in CONTEXTS:
+            parks, releases, resumes = [], [], []
+            for repeat in range(ROUND_TRIPS):
+                park, release, resume = round_trip(engine, f"rt-{context}-{repeat}", context)
+                parks.append(park)
+                releases.append(release)
+                resumes.append(resume)
+            rows.append(
+                {
+                    "context_tokens": context,
+                    "park_ms": _median_ms(parks),
+                    "release_ms": _median_ms(releases),
+                    "release_to_kv_back_ms": _median_ms(resumes),
+                }
+            )
     finally:
-        agent.stop()
-        stats = server.engine.stats()
-        server.stop()
-    return {
-        "config": name,
-        "burst_bytes": burst_bytes,
-        "pause_seconds": burst_bytes / READER_BYTES_PER_SECOND,
-        **read,
-        "park_answers": {status: agent.outcomes.count(status) for status in set(agent.outcomes)},
-        "parks": stats.num_parks,
-        "resumes": stats.num_resumes,
-        "kv_block_seconds": round(agent.block_seconds, 1),
-    }
+        engine.stop()
+    return rows
+
+
+def round_trip(engine: Engine, request_id: str, context: int) -> tuple[float, float, float]:
+    """One request parked once blocked on its reader, then released: the seconds of the park,
+    of the release, and from the release to its KV back (`on_resumed`)."""
+    resumed = threading.Event()
+    request = GenerationRequest(
+        request_id,
+        [256, *([ord("a")] * (context - 1))],
+        max_tokens=8,
+        on_resumed=lambda blocks, recomputed: resumed.set(),
+    )
+    handle = engine.submit(request)
+    while not any(
+        r.request_id == request_id and r.state == "egress_blocked" for r in engine.stats().requests
+    ):
+        time.sleep(0.001)
+    start = time.perf_counter()
+    if engine.park(request_id, "bench").status != "parked":
+        raise RuntimeError(f"{request_id} was not parked")
+    park = time.perf_counter() - start
+    handle.channel.wait_batch(0)  # its reader takes what was queued: it may run once released
+    start = time.perf_counter()
+    if engine.release(request_id, "bench").status != "released":
+        raise RuntimeError(f"{request_id} was not released")
+    release = time.perf_counter() - start
+    if not resumed.wait(READ_TIMEOUT_SECONDS):
+        raise RuntimeError(f"{request_id} never resumed")
+    resume = time.perf_counter() - start
+    handle.collect(READ_TIMEOUT_SECONDS)
+    return park, release, resume
 
 
 def main() -> None:
@@ -387,25 +330,7 @@ def main() -> None:
             },
         },
     }
-    runs = [
-        run
-        for burst_bytes in READER_BURSTS_BYTES
-        for run in (
-            slow_reader("park off", burst_bytes, park=False),
-            slow_reader("park, resumed queue widened (default)", burst_bytes),
-            slow_reader("park, queue not widened", burst_bytes, park_resume_buffer_tokens=0),
-        )
-    ]
-    texts = {run.pop("text") for run in runs}
-    results["slow_reader"] = {
-        "reader_bytes_per_second": READER_BYTES_PER_SECOND,
-        "reader_rcvbuf_bytes": READER_RCVBUF_BYTES,
-        "server_sndbuf_bytes": SERVER_SNDBUF_BYTES,
-        "max_tokens": SLOW_MAX_TOKENS,
-        "park_seconds": PARK_SECONDS,
-        "same_text_in_every_run": len(texts) == 1,
-        "runs": runs,
-    }
+    results["round_trips"] = {"repeats": ROUND_TRIPS, "rows": round_trips()}
     path = write_result("park", results)
     print(path.read_text())
 

@@ -19,6 +19,7 @@ from kvwatch.engine.config import (
     MODEL_SHAPES,
     EngineConfig,
 )
+from kvwatch.hook.asgi_coalesce import DEFAULT_COALESCE_BYTES, DEFAULT_COALESCE_MS, Coalescing
 
 if TYPE_CHECKING:
     from kvwatch.engine.engine_server import EngineServer
@@ -109,12 +110,36 @@ MAX_SOCKET_BUFFER = (1 << 31) - 1  # SO_SNDBUF is a C int
     help="Coupled mode: tokens a request may run ahead of its client.",
 )
 @click.option(
+    "--pause/--no-pause",
+    default=True,
+    show_default=True,
+    help="Let the kvwatch agent pause a request whose reader is behind (no more decode "
+    "steps; it keeps its KV and its place) and release it, with the same output. The hook "
+    "releases it itself when the agent's lease runs out. --no-pause: the hook does not "
+    "offer it (nor parking, which needs it).",
+)
+@click.option(
     "--park/--no-park",
     default=True,
     show_default=True,
-    help="Let the kvwatch agent park a request whose client stops reading: its KV goes to "
-    "host memory and its blocks back to the pool; once the client reads, it runs on "
-    "ahead of new work, with the same output. --no-park: the hook does not offer it.",
+    help="Let the kvwatch agent park a request: its KV goes to host memory and its blocks "
+    "back to the pool; once released, it runs on ahead of new work, with the same output. "
+    "--no-park: the hook does not offer it.",
+)
+@click.option(
+    "--coalesce-bytes",
+    type=click.IntRange(min=0),
+    default=DEFAULT_COALESCE_BYTES,
+    show_default=True,
+    help="Gather a stream's SSE events (after its first token) into writes of this size, "
+    "so a reader that stops shows as a closing TCP window. 0: one write per batch of tokens.",
+)
+@click.option(
+    "--coalesce-ms",
+    type=click.IntRange(min=0),
+    default=DEFAULT_COALESCE_MS,
+    show_default=True,
+    help="Write what gathered this long after its first token, full or not. 0: coalescing off.",
 )
 @click.option(
     "--max-running",
@@ -167,7 +192,9 @@ def command(**options: Any) -> None:
 
     \b
     Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
-    (stream: true gives SSE chunks ending in `data: [DONE]`), GET /metrics, GET /health.
+    (stream: true gives SSE chunks ending in `data: [DONE]`), GET /v1/requests (live and
+    recently finished requests, with tokens generated and taken by their writers),
+    GET /metrics, GET /health.
 
     \b
     Try it:
@@ -177,9 +204,10 @@ def command(**options: Any) -> None:
 
     With the hook on (the default) the engine tells a kvwatch agent about each stream and
     its KV blocks, and the agent can cancel a stalled stream: the engine frees its blocks and
-    resets the client's connection. It can also park a stream whose client stops reading
-    (unless --no-park): the blocks are freed, the connection stays, and the stream resumes
-    when the client reads. Without an agent it runs normally. Stops on Ctrl-C/SIGTERM.
+    resets the client's connection. It can also pause a stream whose reader is behind
+    (unless --no-pause) and park one (unless --no-park): its blocks are freed, the
+    connection stays, and the stream runs on when released. Without an agent it runs
+    normally. Stops on Ctrl-C/SIGTERM.
     """
     # torch and uvicorn load only when the engine runs, so `kvwatch --help` stays quick.
     from kvwatch.engine.engine import Engine
@@ -221,6 +249,7 @@ def _describe(server: EngineServer, sndbuf_bytes: int) -> None:
         f"{desc.bytes_per_block} bytes per block, {desc.kv_bytes_total / 2**20:.1f} MiB in all",
         "  connection send buffer: "
         + (f"{sndbuf_bytes} bytes" if sndbuf_bytes else "kernel default"),
+        f"  SSE writes: {_coalescing(server.engine.config.coalescing)}",
     ]
     socket_path = getattr(server.hook, "socket_path", None)
     if socket_path is None:
@@ -228,3 +257,9 @@ def _describe(server: EngineServer, sndbuf_bytes: int) -> None:
     else:
         lines.append(f"  kvwatch hook: agent socket {socket_path} (runs normally without an agent)")
     click.echo("\n".join(lines), err=True)
+
+
+def _coalescing(coalescing: Coalescing) -> str:
+    if not coalescing.enabled:
+        return "one per batch of tokens (coalescing off)"
+    return f"coalesced up to {coalescing.coalesce_bytes} bytes or {coalescing.coalesce_ms} ms"

@@ -4,7 +4,8 @@ continuous batching, an OpenAI-compatible streaming API and two egress modes.
 The only package of kvwatch that imports torch. This file imports nothing, so that
 `kvwatch.engine.config` stays light for the CLI. Where things are:
 - `kvwatch.engine.engine.Engine` (with `kvwatch.engine.config.EngineConfig`): submit, cancel,
-  abort, stats; `kvwatch.engine.requests` holds what goes in and out.
+  park, pause, release, abort, stats, request reports; `kvwatch.engine.requests` holds what
+  goes in and out.
 - `kvwatch.engine.engine_server.EngineServer`: the engine over HTTP (uvicorn), hook attached.
 - `kvwatch.engine.app.build_app`: the ASGI app alone.
 """

@@ -1,8 +1,11 @@
-"""The Starlette app: OpenAI-compatible routes over one `Engine`, and the SSE writer.
+"""The Starlette app: OpenAI-compatible routes over one `Engine`, the SSE writer, and
+`GET /v1/requests` (every live request and the last finished ones, with their token counts).
 
 The SSE writer is where the egress modes meet the network: it takes a request's tokens from its
-bounded queue and awaits each send. When the client stops reading, the send blocks, the queue
-fills and (in coupled mode) the engine stops advancing the request, which keeps its KV blocks.
+bounded queue and sends them, coalesced into writes of about a kilobyte after the first token
+(kvwatch.hook.asgi_coalesce); it keeps taking tokens while it gathers them. When the client
+stops reading, a write blocks, the queue fills and (in coupled mode) the engine stops advancing
+the request, which keeps its KV blocks.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from kvwatch.engine.requests import (
     RequestRejectedError,
 )
 from kvwatch.errors import KvwatchError
+from kvwatch.hook.asgi_coalesce import CoalescedSend
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -164,13 +168,21 @@ class SseStream:
 
     async def _pump(self, scope: Scope, send: Send) -> str:
         """Writes until the request ends; returns the stream's close reason for the hook."""
+        transport = scope.get("extensions", {}).get(TRANSPORT_EXTENSION)
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        coalesced = CoalescedSend(send, self.engine.config.coalescing.for_connection(sock))
+        try:
+            return await self._write(scope, coalesced)
+        finally:
+            coalesced.discard()
+
+    async def _write(self, scope: Scope, send: CoalescedSend) -> str:
+        """Takes each batch of tokens as it comes and sends its events; those after the first
+        token's are coalesced, the last ones go at once."""
         opened = False
         prefix = self.response.role_event() if self.response.chat else b""
         while True:
             batch = await self.handle.channel.next_batch()
-            if not opened and batch.token_ids:
-                self.announcer.opened(self.handle.request_id, scope, self.handle.kv_blocks)
-                opened = True
             body = prefix + b"".join(self.response.token_event(text) for text in batch.texts)
             prefix = b""
             finish = batch.finish
@@ -178,7 +190,12 @@ class SseStream:
                 return "cancelled"
             if finish is not None:
                 body += self.response.final_events(finish, self.include_usage)
-            await send({"type": "http.response.body", "body": body, "more_body": finish is None})
+            message = {"type": "http.response.body", "body": body, "more_body": finish is None}
+            if not opened and batch.token_ids:
+                self.announcer.opened(self.handle.request_id, scope, self.handle.kv_blocks)
+                opened = True
+                send.coalesce_after(message)  # the first token never waits
+            await send(message)
             if finish is not None:
                 return _close_reason(finish)
 
@@ -203,6 +220,19 @@ class EngineRoutes:
         if self.engine.error is not None:
             return PlainTextResponse("engine failed\n", status_code=503)
         return PlainTextResponse("ok\n")
+
+    async def requests(self, request: Request) -> Response:
+        reports = [report.as_json() for report in self.engine.request_reports()]
+        return JSONResponse({"object": "list", "data": reports})
+
+    async def request_report(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        reports = self.engine.request_reports()
+        report = next((r for r in reports if r.request_id == request_id), None)
+        if report is None:
+            message = f"no live or recently finished request {request_id!r}"
+            return error_response(ApiError(404, message, code="request_not_found"))
+        return JSONResponse(report.as_json())
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.engine.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -301,6 +331,8 @@ def build_app(engine: Engine, observer: StreamObserver | None = None) -> Starlet
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/requests", routes.requests, methods=["GET"]),
+            Route("/v1/requests/{request_id}", routes.request_report, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
         ],

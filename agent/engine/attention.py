@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from kvwatch.engine.config import ModelShape
+from kvwatch.engine.transfer import CudaTransfer, HostKV, KVTransfer
 
 
 def bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
@@ -46,27 +47,49 @@ class PagedKVStorage:
         self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.n_layers)]
         self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.n_layers)]
         self.bytes_per_block = bytes_per_block(shape, block_size, dtype)
+        self._copy_stream: torch.cuda.Stream | None = None
 
-    def copy_out(self, block_ids: list[int]) -> torch.Tensor:
-        """A host-memory copy of these blocks' K and V, in the order given:
-        `[layers, 2, len(block_ids), block_size, heads, head_dim]`. The caller must have
-        waited for device work that writes them."""
+    def copy_out(self, block_ids: list[int]) -> HostKV:
+        """Starts a host-memory copy of these blocks' K and V, in the order given; the blocks
+        must stay allocated until its transfer is done (kvwatch.engine.transfer). On CUDA the
+        copy runs on the storage's copy stream, after the work queued so far on the current
+        stream (the last step's KV writes), into pinned memory; on the CPU it is done at once.
+        """
         keys = self.keys[0]
-        index = torch.tensor(block_ids, device=keys.device)
         size = (len(self.keys), 2, len(block_ids), self.block_size, *keys.shape[1:])
-        copy = torch.empty(size, dtype=keys.dtype, device=keys.device)
-        for layer, pair in enumerate(zip(self.keys, self.values, strict=True)):
-            for kind, rows in enumerate(pair):
-                torch.index_select(self._blocks(rows), 0, index, out=copy[layer, kind])
-        return copy.cpu()
+        if keys.device.type != "cuda":
+            return HostKV(self._gather(block_ids, size), KVTransfer())
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(keys.device)  # type: ignore[no-untyped-call]
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(keys.device))
+        host = torch.empty(size, dtype=keys.dtype, pin_memory=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            host.copy_(self._gather(block_ids, size), non_blocking=True)
+            event.record(stream)
+        return HostKV(host, CudaTransfer(event))
 
     def copy_in(self, block_ids: list[int], copy: torch.Tensor) -> None:
-        """Writes a `copy_out` copy into these blocks (as many as the copy has), in order."""
+        """Writes a `copy_out` copy into these blocks (as many as the copy has), in order.
+        Queued on the current stream, so the next step reads the KV it wrote; the step's
+        fence then covers the copy too."""
         index = torch.tensor(block_ids[: copy.shape[2]], device=self.keys[0].device)
-        on_device = copy.to(self.keys[0].device)
+        on_device = copy.to(self.keys[0].device, non_blocking=True)
         for layer, pair in enumerate(zip(self.keys, self.values, strict=True)):
             for kind, rows in enumerate(pair):
                 self._blocks(rows).index_copy_(0, index, on_device[layer, kind])
+
+    def _gather(self, block_ids: list[int], size: tuple[int, ...]) -> torch.Tensor:
+        """These blocks' K and V in one new tensor on the storage's device (on the current
+        stream)."""
+        keys = self.keys[0]
+        index = torch.tensor(block_ids, device=keys.device)
+        gathered = torch.empty(size, dtype=keys.dtype, device=keys.device)
+        for layer, pair in enumerate(zip(self.keys, self.values, strict=True)):
+            for kind, rows in enumerate(pair):
+                torch.index_select(self._blocks(rows), 0, index, out=gathered[layer, kind])
+        return gathered
 
     def _blocks(self, rows: torch.Tensor) -> torch.Tensor:
         """`rows` seen as `[num_blocks, block_size, heads, head_dim]` (a view, no copy)."""

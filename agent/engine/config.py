@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvwatch.errors import ConfigError
+from kvwatch.hook.asgi_coalesce import DEFAULT_COALESCE_BYTES, DEFAULT_COALESCE_MS, Coalescing
 
 EGRESS_MODES = ("coupled", "decoupled")
 DEVICES = ("auto", "cpu", "cuda")
@@ -53,15 +54,17 @@ class EngineConfig:
     thread count on CPU (process-wide): 1 leaves a core to the HTTP server, and small
     ops run faster on one thread than split across busy cores.
 
-    `park` lets the kvwatch agent park a request whose client is not reading (its KV goes to
-    host memory and its blocks back to the pool, until the client reads again). Parked KV
-    takes at most `park_host_kv_bytes` of host memory (None: PARK_HOST_POOLS times what the KV
-    pool holds: parking exists to let a pool serve more than it holds, and host memory is
-    many times a GPU's);
-    a park beyond that is declined. A resumed request may queue up to the rest of its
-    generation for its client, drawn from `park_resume_buffer_tokens` shared by the engine,
-    so that it runs to its end instead of being parked again (0: resumed requests keep the
-    coupled queue of `egress_queue_tokens`).
+    `pause` lets the kvwatch agent pause a request (no more decode steps; it keeps its KV
+    and its place) and release it. `park` lets it park one: its KV goes to host memory and
+    its blocks back to the pool, until the agent (or the hook, when the lease runs out)
+    releases it; parking needs `pause`, whose release is a parked request's way back.
+    Parked KV takes at most `park_host_kv_bytes` of host memory (None: PARK_HOST_POOLS times
+    what the KV pool holds: parking exists to let a pool serve more than it holds, and host
+    memory is many times a GPU's); a park beyond that is declined.
+
+    `coalesce_bytes` and `coalesce_ms`: the SSE writer gathers a stream's tokens into writes
+    of up to `coalesce_bytes`, or what came within `coalesce_ms` of the first unwritten
+    token (kvwatch.hook.asgi_coalesce); 0 in either writes each batch of tokens at once.
     """
 
     model_size: str = DEFAULT_MODEL_SIZE
@@ -79,14 +82,20 @@ class EngineConfig:
     max_tokens_limit: int = 4096
     max_prefill_tokens: int = 2048
     cancel_wait_seconds: float = 10.0
+    pause: bool = True
     park: bool = True
     park_host_kv_bytes: int | None = None
-    park_resume_buffer_tokens: int = 65536
+    coalesce_bytes: int = DEFAULT_COALESCE_BYTES
+    coalesce_ms: int = DEFAULT_COALESCE_MS
     debug_checks: bool = False
 
     @property
     def shape(self) -> ModelShape:
         return MODEL_SHAPES[self.model_size]
+
+    @property
+    def coalescing(self) -> Coalescing:
+        return Coalescing(self.coalesce_bytes, self.coalesce_ms)
 
     @property
     def served_model_name(self) -> str:
@@ -109,11 +118,12 @@ class EngineConfig:
             _check_positive("KV blocks", self.kv_blocks)
         if self.park_host_kv_bytes is not None:
             _check_positive("host bytes for parked KV", self.park_host_kv_bytes)
-        if self.park_resume_buffer_tokens < 0:
+        if self.park and not self.pause:
             raise ConfigError(
-                f"resume buffer tokens must not be negative, got {self.park_resume_buffer_tokens}",
-                "give 0 (resumed requests keep the small coupled queue) or more",
+                "parking needs pausing: a parked request runs again when it is released",
+                "add --no-park, or drop --no-pause",
             )
+        Coalescing(self.coalesce_bytes, self.coalesce_ms)  # raises ConfigError out of range
         if not 0.0 < self.kv_fraction <= 0.95:
             raise ConfigError(
                 f"KV fraction {self.kv_fraction} is out of range",

@@ -16,9 +16,19 @@ from kvwatch.engine.device import DeviceFence, kv_pool_blocks, resolve_device, r
 from kvwatch.engine.kv_cache import KVCacheManager
 from kvwatch.engine.metrics import EngineMetrics, EngineStats, RequestSnapshot
 from kvwatch.engine.model import ByteTokenizer, TransformerModel
-from kvwatch.engine.orders import Abort, CancelOrder, Order, ParkOrder, failed, not_live
+from kvwatch.engine.orders import (
+    Abort,
+    CancelOrder,
+    Order,
+    ParkOrder,
+    PauseOrder,
+    ReleaseOrder,
+    failed,
+    not_live,
+)
 from kvwatch.engine.output import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, Finish
-from kvwatch.engine.parking import ParkingLot
+from kvwatch.engine.parking import CopyOut, ParkingLot
+from kvwatch.engine.request_log import RequestLog, RequestReport
 from kvwatch.engine.requests import (
     KV_REPORT_INTERVAL_SECONDS,
     EngineOverloadedError,
@@ -32,9 +42,11 @@ from kvwatch.engine.requests import (
 from kvwatch.engine.runner import ModelRunner
 from kvwatch.engine.scheduler import Scheduler, SeqStatus, Sequence
 from kvwatch.engine.stepper import StepExecutor
-from kvwatch.hookwire.types import CancelOutcome
+from kvwatch.hookwire.types import CommandOutcome
 
 IDLE_WAIT_SECONDS = 0.1
+# How often an idle engine looks whether a park's copy to host memory is done.
+TRANSFER_POLL_SECONDS = 0.001
 FINISHED_IDS_REMEMBERED = 4096
 STOP_JOIN_SECONDS = 10.0
 
@@ -65,13 +77,15 @@ _Command = LiveRequest | Order | Abort
 class Engine:
     """A small inference engine: paged KV cache, continuous batching, two egress modes.
 
-    Threads: `submit`, `cancel`, `park`, `abort`, `stats` and `stop` are thread-safe.
-    Everything else runs on the engine thread (`kvwatch-engine`), which alone owns the
-    scheduler, the block tables, the KV storage, the parked requests' host copies and the
-    model; other threads talk to it through the inbox, which it drains at each step boundary.
+    Threads: `submit`, `cancel`, `park`, `pause`, `release`, `abort`, `stats`,
+    `request_reports` and `stop` are thread-safe. Everything else runs on the engine thread
+    (`kvwatch-engine`), which alone owns the scheduler, the block tables, the KV storage, the
+    parked requests' host copies and the model; other threads talk to it through the inbox,
+    which it drains at each step boundary. `copy_out` replaces how a park copies KV out to
+    host memory (tests inject a slow asynchronous copy).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, copy_out: CopyOut | None = None) -> None:
         self.config = config.validate()
         self.tokenizer = ByteTokenizer()
         device = resolve_device(config)
@@ -100,7 +114,7 @@ class Engine:
             storage,
             self._scheduler,
             config.park_host_kv_bytes or PARK_HOST_POOLS * self.description.kv_bytes_total,
-            config.park_resume_buffer_tokens,
+            copy_out,
         )
         runner = ModelRunner(model, storage, self.kv, self.tokenizer.output_token_ids(), device)
         self._device = device
@@ -111,6 +125,9 @@ class Engine:
         self._ids_in_use: set[str] = set()
         self._live: dict[str, LiveRequest] = {}
         self._finished_ids: OrderedDict[str, None] = OrderedDict()
+        self._requests = RequestLog()
+        self._num_pauses = 0
+        self._num_releases = 0
         self._closed = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -137,6 +154,10 @@ class Engine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def request_reports(self) -> list[RequestReport]:
+        """Every live request and the last finished ones (GET /v1/requests)."""
+        return self._requests.reports(self._stats.requests)
+
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queues a request; raises RequestRejectedError, EngineOverloadedError or
         EngineUnavailableError."""
@@ -148,7 +169,7 @@ class Engine:
         self._enqueue(live)
         return live.handle
 
-    def cancel(self, request_id: str, reason: str) -> CancelOutcome:
+    def cancel(self, request_id: str, reason: str) -> CommandOutcome:
         """Two-phase cancel; blocks until the request's blocks are free (or a timeout).
 
         At the next step boundary the engine thread stops scheduling the request, waits for the
@@ -157,21 +178,38 @@ class Engine:
         connection). Never call it from the engine thread."""
         return self._order(CancelOrder(request_id, reason))
 
-    def park(self, request_id: str, reason: str) -> CancelOutcome:
-        """Parks a request whose client is not reading; blocks like `cancel`.
+    def park(self, request_id: str, reason: str) -> CommandOutcome:
+        """Parks a request; blocks like `cancel`.
 
-        At the next step boundary the engine thread declines a request that is not waiting on
-        its client (or holds no blocks), else waits for the device fence, copies the request's
-        KV to host memory, frees its blocks, answers "parked" with what it freed, and reports
-        0 blocks through `on_kv_change` at once. The request and its output stay; once its
-        client reads, it runs on ahead of new work (`on_resumed`). Never call it from the
-        engine thread."""
+        At the next step boundary the engine thread declines a request that holds no blocks
+        (or is parked already, or whose copy would pass the host-memory limit), else starts
+        copying its KV to host memory and takes it out of scheduling; once the copy is done
+        (at once on the CPU) it frees the blocks, answers "parked" with what it freed, and
+        reports 0 blocks through `on_kv_change`. The request and its output stay; once
+        released (`release`) it runs on ahead of new work (`on_resumed`). Never call it from
+        the engine thread."""
         if not self.config.park:
             return failed(request_id, "parking is off (--no-park)")
         return self._order(ParkOrder(request_id, reason))
 
-    def _order(self, command: Order) -> CancelOutcome:
-        """Queues a cancel or a park and waits up to `cancel_wait_seconds` for its outcome."""
+    def pause(self, request_id: str, reason: str) -> CommandOutcome:
+        """Pauses a request at the next step boundary: no more decode steps, nor admission;
+        it keeps its blocks and its place. Answers "paused" (also for a request paused or
+        parked already). Never call it from the engine thread."""
+        if not self.config.pause:
+            return failed(request_id, "pausing is off (--no-pause)")
+        return self._order(PauseOrder(request_id, reason))
+
+    def release(self, request_id: str, reason: str) -> CommandOutcome:
+        """Ends a pause (the request is scheduled again) or a park (the request goes to the
+        head of the queue, its KV is copied back before its next step, then `on_resumed`);
+        "not_held" when it is neither. Never call it from the engine thread."""
+        if not self.config.pause:
+            return failed(request_id, "pausing is off (--no-pause)")
+        return self._order(ReleaseOrder(request_id, reason))
+
+    def _order(self, command: Order) -> CommandOutcome:
+        """Queues an order and waits up to `cancel_wait_seconds` for its outcome."""
         request_id = command.request_id
         with self._lock:
             if self._closed or self.error is not None:
@@ -210,6 +248,7 @@ class Engine:
                     "retry later, or start the engine with a larger --max-waiting",
                 )
             self._ids_in_use.add(request_id)
+            self._requests.add(request_id, live.handle.channel)
             self._inbox.append(live)
         self._wake.set()
 
@@ -240,8 +279,7 @@ class Engine:
             self._apply(command)
         if closed:
             return False
-        self._parking.release_spent_grants()
-        self._parking.resume_ready()
+        self._settle_parks()
         plan = self._scheduler.schedule()
         for seq in self._parking.restore(plan.prefills):  # before their step: KV back in place
             self._resumed(self._live[seq.request_id])
@@ -257,7 +295,8 @@ class Engine:
         steps = self._stats.steps + (0 if plan.is_empty else 1)
         self._stats = self._publish(steps, time.monotonic())
         if plan.is_empty:
-            self._wake.wait(IDLE_WAIT_SECONDS)
+            copying = self._parking.copying
+            self._wake.wait(TRANSFER_POLL_SECONDS if copying else IDLE_WAIT_SECONDS)
         return True
 
     def _apply(self, command: _Command) -> None:
@@ -270,10 +309,16 @@ class Engine:
             request_id = command.request_id
             if live is None:
                 command.outcome.set_result(not_live(request_id, request_id in self._finished_ids))
-            elif isinstance(command, ParkOrder):
-                self._park_now(command, live)
-            else:
-                self._cancel_now(command, live)
+                return
+            match command:
+                case ParkOrder():
+                    self._park_now(command, live)
+                case PauseOrder():
+                    self._pause_now(command, live)
+                case ReleaseOrder():
+                    self._release_now(command, live)
+                case _:
+                    self._cancel_now(command, live)
         else:
             live = self._live.get(command.request_id)
             if live is not None:
@@ -288,18 +333,49 @@ class Engine:
     def _park_now(self, command: ParkOrder, live: LiveRequest) -> None:
         refusal = self._parking.refusal(live)
         if refusal is not None:
-            command.outcome.set_result(CancelOutcome(command.request_id, "declined", 0, 0, refusal))
+            command.outcome.set_result(
+                CommandOutcome(command.request_id, "declined", 0, 0, refusal)
+            )
             return
         _log.info("parking %s: %s", command.request_id, command.reason)
-        self._fence.wait()
-        freed = self._parking.park(live)
-        command.outcome.set_result(self._freed(command, "parked", freed))
-        self._report_kv(live, 0)
+        self._parking.park(live, command)
+        self._settle_parks()
 
-    def _freed(self, command: Order, status: str, blocks: int) -> CancelOutcome:
+    def _settle_parks(self, wait_for: str | None = None) -> None:
+        """Frees the blocks of the parks whose copy is done (waiting for `wait_for`'s) and
+        reports them: `ParkingLot.settle` answers the parks."""
+        for live in self._parking.settle(wait_for):
+            self._report_kv(live, 0)
+
+    def _pause_now(self, command: PauseOrder, live: LiveRequest) -> None:
+        seq = live.seq
+        if seq.status is not SeqStatus.PARKED and not seq.paused:  # else: a renewal
+            _log.info("pausing %s: %s", command.request_id, command.reason)
+            seq.paused = True
+            self._num_pauses += 1
+        command.outcome.set_result(CommandOutcome(command.request_id, "paused"))
+
+    def _release_now(self, command: ReleaseOrder, live: LiveRequest) -> None:
+        seq = live.seq
+        if seq.status is SeqStatus.PARKED:
+            self._settle_parks(wait_for=command.request_id)
+            self._parking.release(live)
+        elif seq.paused:
+            seq.paused = False
+        else:
+            detail = "it is neither paused nor parked"
+            command.outcome.set_result(
+                CommandOutcome(command.request_id, "not_held", detail=detail)
+            )
+            return
+        _log.info("releasing %s: %s", command.request_id, command.reason)
+        self._num_releases += 1
+        command.outcome.set_result(CommandOutcome(command.request_id, "released"))
+
+    def _freed(self, command: Order, status: str, blocks: int) -> CommandOutcome:
         """The answer to an order that freed `blocks`."""
         bytes_freed = blocks * self.description.bytes_per_block
-        return CancelOutcome(command.request_id, status, blocks, bytes_freed)
+        return CommandOutcome(command.request_id, status, blocks, bytes_freed)
 
     def _resumed(self, live: LiveRequest) -> None:
         """A resumed request holds its KV again: tells its `on_resumed` (which carries the new
@@ -316,11 +392,13 @@ class Engine:
     def _finish(
         self, live: LiveRequest, reason: str, *, cancelled: bool = False, detail: str = ""
     ) -> int:
-        """Frees the request's blocks (after the fence) and delivers its finish record."""
+        """Frees the request's blocks (after the fence, and after a park's copy of them) and
+        delivers its finish record."""
         self._fence.wait()
-        freed = self._scheduler.remove(live.seq)
         request_id = live.request.request_id
+        self._settle_parks(wait_for=request_id)
         self._parking.forget(request_id)
+        freed = self._scheduler.remove(live.seq)
         del self._live[request_id]
         self._finished_ids[request_id] = None
         if len(self._finished_ids) > FINISHED_IDS_REMEMBERED:
@@ -328,9 +406,9 @@ class Engine:
         with self._lock:
             self._ids_in_use.discard(request_id)
         seq = live.seq
-        live.handle.channel.finish(
-            Finish(reason, seq.num_prompt_tokens, seq.num_generated, cancelled, detail)
-        )
+        finish = Finish(reason, seq.num_prompt_tokens, seq.num_generated, cancelled, detail)
+        live.handle.channel.finish(finish)
+        self._requests.ended(request_id, finish)
         self.metrics.request_success.labels(finished_reason=reason).inc()
         self.metrics.e2e_request_latency.observe(time.monotonic() - live.arrival_seconds)
         live.handle.kv_blocks = 0
@@ -339,6 +417,8 @@ class Engine:
 
     def _end_all(self, reason: str, detail: str, *, free_blocks: bool) -> None:
         """Ends every live request and fails every pending command; nothing is admitted after."""
+        if not free_blocks:
+            self._parking.abandon(detail)
         for live in list(self._live.values()):
             if free_blocks:
                 self._finish(live, reason, detail=detail)
@@ -347,6 +427,7 @@ class Engine:
                 self._parking.forget(seq.request_id)
                 finish = Finish(reason, seq.num_prompt_tokens, seq.num_generated, detail=detail)
                 live.handle.channel.finish(finish)
+                self._requests.ended(seq.request_id, finish)
         with self._lock:
             commands, self._inbox = self._inbox, []
             self._closed = True
@@ -354,7 +435,9 @@ class Engine:
             if isinstance(command, Order):
                 command.outcome.set_result(failed(command.request_id, detail))
             elif isinstance(command, LiveRequest):
-                command.handle.channel.finish(Finish(reason, command.seq.num_prompt_tokens, 0))
+                finish = Finish(reason, command.seq.num_prompt_tokens, 0)
+                command.handle.channel.finish(finish)
+                self._requests.ended(command.request.request_id, finish)
 
     def _egress_blocked(self, seq: Sequence) -> bool:
         return not self._live[seq.request_id].handle.channel.has_room()
@@ -363,26 +446,25 @@ class Engine:
         """The stats snapshot; on the way, tells each request's `on_kv_change` of a changed
         block count (rate-limited per request)."""
         requests: list[RequestSnapshot] = []
-        egress_blocked = 0
         for request_id, live in self._live.items():
             blocks = self.kv.num_blocks_of(request_id)
             generated = live.seq.num_generated
             live.handle.kv_blocks = blocks
-            state = live.seq.status.value
-            if live.seq.status is SeqStatus.RUNNING and not live.handle.channel.has_room():
-                state = "egress_blocked"
-                egress_blocked += 1
-            requests.append(RequestSnapshot(request_id, state, blocks, generated))
+            requests.append(RequestSnapshot(request_id, self._state(live), blocks, generated))
             if (
                 blocks != live.reported_blocks
                 and now - live.reported_seconds >= KV_REPORT_INTERVAL_SECONDS
             ):
                 self._report_kv(live, blocks)
         parking = self._parking
+        states = [request.state for request in requests]
         return EngineStats(
             running=len(self._scheduler.running),
             waiting=len(self._scheduler.waiting),
-            egress_blocked=egress_blocked,
+            egress_blocked=states.count("egress_blocked"),
+            paused=states.count("paused"),
+            num_pauses=self._num_pauses,
+            num_releases=self._num_releases,
             parked=parking.num_parked,
             parked_host_bytes=parking.host_bytes,
             num_parks=parking.num_parks,
@@ -394,6 +476,17 @@ class Engine:
             steps=steps,
             requests=tuple(requests),
         )
+
+    def _state(self, live: LiveRequest) -> str:
+        """The request's state as snapshots and GET /v1/requests show it."""
+        seq = live.seq
+        if seq.status is SeqStatus.PARKED:
+            return "parking" if self._parking.is_copying(seq.request_id) else "parked"
+        if seq.paused:
+            return "paused"
+        if seq.status is SeqStatus.RUNNING and not live.handle.channel.has_room():
+            return "egress_blocked"
+        return str(seq.status.value)
 
 
 def _call_safely(callback: Callable[..., None] | None, *args: int) -> None:

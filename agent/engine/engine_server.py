@@ -149,8 +149,18 @@ class HookLike(StreamObserver, Protocol):
 
 def attach_hook(engine: Engine, socket_path: str | None) -> HookLike:
     """Builds the kvwatch hook for this engine: cancels from the agent run `Engine.cancel`,
-    and parks `Engine.park` unless parking is off (the hello then does not offer "park").
+    parks `Engine.park` unless parking is off, pauses and releases `Engine.pause` and
+    `Engine.release` unless pausing is off (the hello then does not offer "park", "pause").
+    The hook releases a paused or parked request itself when the agent's lease runs out or
+    its connection ends.
 
     The hook connects in the background; with no agent present the engine runs normally."""
-    park_handler = engine.park if engine.config.park else None
-    return EngineHook(engine_info(engine), engine.cancel, socket_path, park_handler=park_handler)
+    config = engine.config
+    return EngineHook(
+        engine_info(engine),
+        engine.cancel,
+        socket_path,
+        park_handler=engine.park if config.park else None,
+        pause_handler=engine.pause if config.pause else None,
+        release_handler=engine.release if config.pause else None,
+    )

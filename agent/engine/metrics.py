@@ -26,7 +26,9 @@ class RequestSnapshot:
     """One live request as the engine thread last published it."""
 
     request_id: str
-    state: str  # "waiting", "running", "egress_blocked" (running, its queue full) or "parked"
+    # "waiting", "running", "egress_blocked" (running, its queue full), "paused", "parking"
+    # (its KV on its way to host memory) or "parked"
+    state: str
     kv_blocks: int
     tokens_out: int
 
@@ -35,12 +37,16 @@ class RequestSnapshot:
 class EngineStats:
     """A consistent snapshot, published by the engine thread after every iteration.
 
-    `parked`: requests parked now (their KV in host memory, `parked_host_bytes` in all);
-    `num_parks` and `num_resumes` count since start."""
+    `paused`: requests paused now (no steps; they keep their KV); `parked`: requests parked
+    now (their KV in host memory, `parked_host_bytes` in all); `num_pauses`, `num_releases`
+    (of paused and of parked requests), `num_parks` and `num_resumes` count since start."""
 
     running: int
     waiting: int
     egress_blocked: int
+    paused: int
+    num_pauses: int
+    num_releases: int
     parked: int
     parked_host_bytes: int
     num_parks: int
@@ -74,6 +80,11 @@ class _StatsCollector(Collector):
                 stats.egress_blocked,
             ),
             (
+                "num_requests_paused",
+                "Requests paused: no decode steps while their reader is behind; KV kept.",
+                stats.paused,
+            ),
+            (
                 "num_requests_parked",
                 "Requests parked: KV freed while their client does not read.",
                 stats.parked,
@@ -95,6 +106,12 @@ class _StatsCollector(Collector):
                 "num_preemptions",
                 "Preemptions: requests whose blocks were freed to be recomputed later.",
                 stats.num_preemptions,
+            ),
+            ("num_pauses", "Pauses: requests that stopped getting steps.", stats.num_pauses),
+            (
+                "num_releases",
+                "Releases: paused or parked requests scheduled again.",
+                stats.num_releases,
             ),
             ("num_parks", "Parks: requests whose KV went to host memory.", stats.num_parks),
             ("num_resumes", "Resumes: parked requests that run again.", stats.num_resumes),

@@ -1,22 +1,22 @@
-"""What other threads ask of the engine thread about a live request (cancel, park, abort), and
-the answers the engine gives without touching one."""
+"""What other threads ask of the engine thread about a live request (cancel, park, pause,
+release, abort), and the answers the engine gives without touching one."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kvwatch.hookwire.types import CancelOutcome
+from kvwatch.hookwire.types import CommandOutcome
 
 
 @dataclass(eq=False)
 class Order:
-    """A cancel or a park: queued in the engine's inbox, applied at the next step boundary,
-    answered exactly once through `outcome`."""
+    """A command of the agent's: queued in the engine's inbox, applied at the next step
+    boundary, answered exactly once through `outcome`."""
 
     request_id: str
     reason: str
-    outcome: Future[CancelOutcome] = field(default_factory=Future)
+    outcome: Future[CommandOutcome] = field(default_factory=Future)
 
 
 class CancelOrder(Order):
@@ -24,7 +24,15 @@ class CancelOrder(Order):
 
 
 class ParkOrder(Order):
-    """Free the request's blocks but keep it until its client reads (`Engine.park`)."""
+    """Free the request's blocks but keep it until it is released (`Engine.park`)."""
+
+
+class PauseOrder(Order):
+    """Give the request no more steps; it keeps its blocks and its place (`Engine.pause`)."""
+
+
+class ReleaseOrder(Order):
+    """End the request's pause or park: it is scheduled again (`Engine.release`)."""
 
 
 @dataclass(eq=False)
@@ -34,15 +42,15 @@ class Abort:
     request_id: str
 
 
-def failed(request_id: str, detail: str) -> CancelOutcome:
+def failed(request_id: str, detail: str) -> CommandOutcome:
     """An order that could not be carried out: nothing was freed."""
-    return CancelOutcome(request_id, "failed", 0, 0, detail)
+    return CommandOutcome(request_id, "failed", 0, 0, detail)
 
 
-def not_live(request_id: str, finished: bool) -> CancelOutcome:
+def not_live(request_id: str, finished: bool) -> CommandOutcome:
     """The answer to an order for a request that is not live: it finished, or never was."""
     if finished:
-        return CancelOutcome(
+        return CommandOutcome(
             request_id, "already_finished", 0, 0, "it already finished; its blocks are free"
         )
-    return CancelOutcome(request_id, "unknown_request", 0, 0, "no such request")
+    return CommandOutcome(request_id, "unknown_request", 0, 0, "no such request")

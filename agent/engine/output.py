@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,11 +44,10 @@ class Batch:
 class OutputChannel:
     """Bounded token queue, engine thread -> one reader.
 
-    Invariants: it holds at most `capacity` tokens; the capacity only grows; the finish record
-    is set once, nothing is put after it, and a reader sees it only together with or after the
-    last tokens.
-    Ownership: only the engine thread calls `put`, `finish` and `raise_capacity`; only one
-    reader reads.
+    Invariants: it holds at most `capacity` tokens; the finish record is set once, nothing is
+    put after it, and a reader sees it only together with or after the last tokens; the
+    token counts count every token put and taken.
+    Ownership: only the engine thread calls `put` and `finish`; only one reader reads.
     """
 
     def __init__(self, capacity: int, on_read: Callable[[], None]) -> None:
@@ -62,34 +60,16 @@ class OutputChannel:
         self._finish: Finish | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
-        # The reader's comings and goings: batches it took, when it last took one (or the
-        # queue was made), and whether it is waiting for output now (kvwatch.engine.parking).
-        self.batches_taken = 0
-        self._left_ns = time.monotonic_ns()
-        self._reader_waiting = False
+        self._tokens_put = 0
+        self._tokens_taken = 0
 
     def has_room(self) -> bool:
         return len(self._token_ids) < self.capacity
 
-    @property
-    def unread(self) -> int:
-        """Tokens put and not yet taken by the reader."""
-        return len(self._token_ids)
-
-    def raise_capacity(self, capacity: int) -> None:
-        """Lets the queue hold up to `capacity` tokens from now on (never fewer than now)."""
-        self.capacity = max(self.capacity, capacity)
-
-    def held_seconds(self, now_ns: int) -> float:
-        """How long the reader has been away with its last batch (its writer held in a
-        send, when the client does not read); 0 while it waits for output."""
+    def token_counts(self) -> tuple[int, int]:
+        """Tokens put in all (the request's generated tokens) and taken by the reader."""
         with self._lock:
-            return 0.0 if self._reader_waiting else max(0, now_ns - self._left_ns) / 1e9
-
-    def is_spent(self) -> bool:
-        """True once finished and empty: it holds no tokens now and will hold none again."""
-        with self._lock:
-            return self._finish is not None and not self._token_ids
+            return self._tokens_put, self._tokens_taken
 
     def put(self, token_id: int, text: str) -> None:
         with self._lock:
@@ -100,6 +80,7 @@ class OutputChannel:
                 )
             self._token_ids.append(token_id)
             self._text.append(text)
+            self._tokens_put += 1
             self._notify()
 
     def finish(self, finish: Finish) -> None:
@@ -119,9 +100,7 @@ class OutputChannel:
             return None
         batch = Batch(self._token_ids, self._text, self._finish)
         self._token_ids, self._text = [], []
-        self.batches_taken += 1
-        self._left_ns = time.monotonic_ns()
-        self._reader_waiting = False
+        self._tokens_taken += len(batch.token_ids)
         return batch
 
     async def next_batch(self) -> Batch:
@@ -130,7 +109,6 @@ class OutputChannel:
             with self._lock:
                 batch = self._take()
                 if batch is None:
-                    self._reader_waiting = True
                     self._loop = asyncio.get_running_loop()
                     self._event = self._event or asyncio.Event()
                     self._event.clear()
@@ -143,11 +121,9 @@ class OutputChannel:
     def wait_batch(self, timeout_seconds: float | None = None) -> Batch | None:
         """Waits on this thread; None when the timeout passed with nothing to read."""
         with self._lock:
-            self._reader_waiting = True
             self._ready.wait_for(
                 lambda: bool(self._token_ids) or self._finish is not None, timeout_seconds
             )
-            self._reader_waiting = False
             batch = self._take()
         if batch is not None:
             self._on_read()

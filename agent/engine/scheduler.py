@@ -4,8 +4,10 @@ Each step the scheduler (1) reserves one more KV slot for every running request 
 preempting the newest running requests when the pool runs out, then (2) admits waiting requests
 first-come first-served while their prompt fits in the free blocks. Preemption frees a request's
 blocks and puts it back at the head of the queue; it is recomputed from its tokens later.
-Parking frees the blocks of a request whose client is not reading and keeps it out of both;
-resuming puts it at the head of the queue, and the engine copies its KV back in once admitted.
+A paused request is skipped by both: it keeps its blocks (if it has any) and its place.
+Parking takes a request out of both (its blocks are freed once their copy to host memory is
+done, kvwatch.engine.parking); resuming puts it at the head of the queue, and the engine copies
+its KV back in once admitted.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Sequence:
     one not yet admitted again: their KV is in the engine's host copy (`ParkingLot`) until
     admission gives them blocks and the engine copies it back, before their next step. A
     running request between steps has exactly one uncomputed token: the last one it generated.
+    `paused`: the agent paused it; the scheduler neither advances nor admits it.
     """
 
     request_id: str
@@ -42,6 +45,7 @@ class Sequence:
     max_tokens: int
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
+    paused: bool = False
 
     @property
     def num_generated(self) -> int:
@@ -70,10 +74,12 @@ class Scheduler:
     """Waiting queue and running set over one `KVCacheManager`.
 
     Invariants: a sequence is in at most one of `waiting` and `running`, and its status says
-    which (a parked one is in neither); waiting and parked sequences own no blocks; after
-    `schedule`, every planned sequence's block table covers all its tokens. A request blocked
-    on egress (its client is not reading, in coupled mode) is neither advanced nor chosen as a
-    preemption victim: it keeps its blocks, unless the engine parks it.
+    which (a parked one is in neither); waiting sequences own no blocks, nor do parked ones
+    once their copy is done; after `schedule`, every planned sequence's block table covers all
+    its tokens. A request blocked on egress (its client is not reading, in coupled mode) or
+    paused is neither advanced nor chosen as a preemption victim: it keeps its blocks, unless
+    the engine parks it; waiting, it is not admitted (it could not advance) but keeps its place
+    in the queue while the ones behind it are admitted.
 
     Ownership: the engine thread alone calls every method.
     """
@@ -108,13 +114,12 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         return self.kv.free(seq.request_id)
 
-    def park(self, seq: Sequence) -> int:
-        """Takes a running sequence out of scheduling and frees its blocks; returns how many.
-        It keeps `num_computed_tokens`. The caller must have waited for device work on those
-        blocks and copied what it needs from them."""
+    def park(self, seq: Sequence) -> None:
+        """Takes a running sequence out of scheduling (it keeps `num_computed_tokens`, and
+        its blocks until the caller frees them: once their copy to host memory is done)."""
         self.running.remove(seq)
         seq.status = SeqStatus.PARKED
-        return self.kv.free(seq.request_id)
+        seq.paused = False
 
     def resume(self, seq: Sequence) -> None:
         """Puts a parked sequence at the head of the queue, ahead of new work."""
@@ -124,7 +129,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or self.is_egress_blocked(seq):
+            if seq.status is not SeqStatus.RUNNING or self._stays(seq):
                 continue
             if self._reserve(seq, plan):
                 (plan.decodes if seq.num_uncomputed == 1 else plan.prefills).append(seq)
@@ -136,7 +141,7 @@ class Scheduler:
         """Makes room for the sequence's tokens, preempting newer requests; False if the
         sequence itself had to be preempted."""
         while not self.kv.ensure_capacity(seq.request_id, len(seq.token_ids)):
-            victim = next(s for s in reversed(self.running) if not self.is_egress_blocked(s))
+            victim = next(s for s in reversed(self.running) if not self._stays(s))
             self._preempt(victim)
             plan.preempted.append(victim)
             if victim is seq:
@@ -151,17 +156,23 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _stays(self, seq: Sequence) -> bool:
+        """A request that stays where it is: running, it neither advances nor gives its
+        blocks up; waiting, it is not admitted. Paused, or waiting for its client."""
+        return seq.paused or self.is_egress_blocked(seq)
+
     def _admit(self, plan: StepPlan) -> None:
         budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            if plan.prefills and seq.num_uncomputed > budget:
+        for seq in list(self.waiting):  # a copy: admitting removes from the queue
+            if len(self.running) >= self.max_running:
                 return
-            if self.is_egress_blocked(seq):
+            if self._stays(seq):
+                continue
+            if plan.prefills and seq.num_uncomputed > budget:
                 return
             if not self.kv.ensure_capacity(seq.request_id, len(seq.token_ids)):
                 return
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             plan.prefills.append(seq)

@@ -9,12 +9,15 @@ token (the first SSE event with data: comments and keep-alives are not tokens) w
 id, the connection's real addresses and an estimated KV size; a `cancel` from the agent
 becomes `http.disconnect` for the app (its own abort path frees the KV), then a TCP reset; a
 `detach` sends the rest of that response through a bounded host buffer, so the app's
-generator runs to its end whatever its client reads.
+generator runs to its end whatever its client reads; a `pause` holds the app's next send
+until a `release` (kvwatch.hook.asgi_pause). After its first token a response's body is
+written coalesced (kvwatch.hook.asgi_coalesce).
 Settings come from keyword arguments or, for `--middleware` (which passes none), from the
 environment: KVWATCH_ENGINE_SOCKET, KVWATCH_KV_BYTES_PER_TOKEN, KVWATCH_EGRESS_BUFFER_BYTES
 (every response buffered; 0, the default, keeps egress coupled), KVWATCH_DETACH_BUFFER_BYTES
-(a detached stream's buffer; 0 turns detach off) and KVWATCH_EGRESS_TOTAL_BYTES (all
-buffers together). Imports nothing heavy.
+(a detached stream's buffer; 0 turns detach off), KVWATCH_EGRESS_TOTAL_BYTES (all buffers
+together), KVWATCH_COALESCE_BYTES and KVWATCH_COALESCE_MS (0 in either writes each message
+as it comes). Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -26,21 +29,25 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from kvwatch.errors import ConfigError
+from kvwatch.hook.asgi_coalesce import DEFAULT_COALESCE_BYTES, DEFAULT_COALESCE_MS, Coalescing
 from kvwatch.hook.asgi_conn import Connection, find_connection
 from kvwatch.hook.asgi_egress import EgressBudget, EgressLimits
 from kvwatch.hook.asgi_kv import KvGeometry, detect
 from kvwatch.hook.asgi_stream import Message, Receive, RequestStream, Scope, Send, header
 from kvwatch.hook.engine_hook import EngineHook
 from kvwatch.hookwire.protocol import EngineInfo
-from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
+from kvwatch.hookwire.types import CommandOutcome
 
 BYTES_PER_TOKEN_ENV = "KVWATCH_KV_BYTES_PER_TOKEN"
 EGRESS_BUFFER_ENV = "KVWATCH_EGRESS_BUFFER_BYTES"
 DETACH_BUFFER_ENV = "KVWATCH_DETACH_BUFFER_BYTES"
 EGRESS_TOTAL_ENV = "KVWATCH_EGRESS_TOTAL_BYTES"
+COALESCE_BYTES_ENV = "KVWATCH_COALESCE_BYTES"
+COALESCE_MS_ENV = "KVWATCH_COALESCE_MS"
 WRAP_FACTORY_ENV = "KVWATCH_WRAP_FACTORY"
 DEFAULT_DETACH_BUFFER_BYTES = 16 * 1024 * 1024
 DEFAULT_EGRESS_TOTAL_BYTES = 256 * 1024 * 1024
@@ -73,6 +80,8 @@ class Middleware:
         egress_buffer_bytes: int | None = None,
         detach_buffer_bytes: int | None = None,
         egress_total_bytes: int | None = None,
+        coalesce_bytes: int | None = None,
+        coalesce_ms: int | None = None,
         cancel_timeout_seconds: float = CANCEL_TIMEOUT_SECONDS,
         reconnect_seconds: float = 1.0,
     ) -> None:
@@ -87,6 +96,10 @@ class Middleware:
             detach_bytes=_setting(
                 detach_buffer_bytes, DETACH_BUFFER_ENV, DEFAULT_DETACH_BUFFER_BYTES
             ),
+        )
+        self._coalescing = Coalescing(
+            _setting(coalesce_bytes, COALESCE_BYTES_ENV, DEFAULT_COALESCE_BYTES),
+            _setting(coalesce_ms, COALESCE_MS_ENV, DEFAULT_COALESCE_MS),
         )
         self._cancel_timeout_seconds = cancel_timeout_seconds
         self._reconnect_seconds = reconnect_seconds
@@ -111,6 +124,7 @@ class Middleware:
             self._register,
             send,
             self._egress,
+            self._coalescing,
         )
 
         async def wrapped_receive() -> Message:
@@ -129,8 +143,8 @@ class Middleware:
 
     async def _end(self, stream: RequestStream, reason: str, *, drain: bool) -> None:
         """After the app returned: drop a cancelled stream's buffer and reset its connection,
-        drain a buffered response (only after a normal return: a failing or cancelled task
-        drops it), close."""
+        send what is buffered or gathered (only after a normal return: a failing or cancelled
+        task drops it), close."""
         if stream.cancelled.is_set():
             stream.drop("cancelled by kvwatch")
             # A generator abandoned mid-`send` is closed only when it is collected, by the
@@ -141,12 +155,7 @@ class Middleware:
             for _ in range(FINALIZER_TURNS):
                 await asyncio.sleep(0)
         stream.app_done.set()
-        if stream.buffer is not None and not stream.cancelled.is_set():
-            if drain:
-                stream.report()  # kv_blocks is 0 now: the app let the request go
-                await stream.drain()
-            else:
-                stream.buffer.close("the app failed")
+        await stream.end_egress(returned=drain)
         if stream.cancelled.is_set():
             reason = "cancelled"
         request_id = stream.request_id
@@ -177,6 +186,8 @@ class Middleware:
                     self._cancel,
                     self._socket_path,
                     detach_handler=self._detach if self._egress.detach_bytes else None,
+                    pause_handler=self._pause,
+                    release_handler=self._release,
                     cancel_timeout_seconds=self._cancel_timeout_seconds,
                     reconnect_seconds=self._reconnect_seconds,
                 )
@@ -196,19 +207,35 @@ class Middleware:
             )
         return connection
 
-    def _cancel(self, request_id: str, reason: str) -> CancelOutcome:
+    def _cancel(self, request_id: str, reason: str) -> CommandOutcome:
         """The hook's cancel handler (a worker thread): the stream's own answer, or unknown."""
         stream = self._streams.get(request_id)
         if stream is None:
-            return CancelOutcome(request_id, "unknown_request", 0, 0, "no such live stream")
+            return CommandOutcome(request_id, "unknown_request", 0, 0, "no such live stream")
         return stream.cancel_from_thread(reason, self._command_wait_seconds())
 
-    def _detach(self, request_id: str, reason: str) -> DetachOutcome:
-        """The hook's detach handler (a worker thread): the stream's own answer, or unknown."""
+    def _detach(self, request_id: str, reason: str) -> CommandOutcome:
+        """The hook's detach handler (a worker thread)."""
+        return self._on_loop(request_id, lambda stream: stream.detach())
+
+    def _pause(self, request_id: str, reason: str) -> CommandOutcome:
+        """The hook's pause handler (a worker thread)."""
+        return self._on_loop(request_id, lambda stream: stream.pause())
+
+    def _release(self, request_id: str, reason: str) -> CommandOutcome:
+        """The hook's release handler (a worker thread; the hook's own releases too)."""
+        return self._on_loop(request_id, lambda stream: stream.release())
+
+    def _on_loop(
+        self,
+        request_id: str,
+        command: Callable[[RequestStream], Coroutine[Any, Any, CommandOutcome]],
+    ) -> CommandOutcome:
+        """The stream's own answer to `command`, run on its loop, or unknown."""
         stream = self._streams.get(request_id)
         if stream is None:
-            return DetachOutcome(request_id, "unknown_request", 0, 0, "no such live stream")
-        return stream.detach_from_thread(self._command_wait_seconds())
+            return CommandOutcome(request_id, "unknown_request", 0, 0, "no such live stream")
+        return stream.command_from_thread(command(stream), self._command_wait_seconds())
 
     def _command_wait_seconds(self) -> float:
         """How long a handler waits on the loop: a little less than the hook's own timeout."""

@@ -36,6 +36,10 @@ class Connection:
     transport: asyncio.BaseTransport | None
     from_socket: bool
 
+    def closed(self) -> bool:
+        """Whether the connection is known to be closing or closed (False when unknown)."""
+        return self.transport is not None and self.transport.is_closing()
+
     def reset(self) -> bool:
         """Ends the connection with a TCP reset (SO_LINGER 0, then abort); False if unknown."""
         transport = self.transport

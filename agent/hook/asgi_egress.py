@@ -72,8 +72,9 @@ class EgressBuffer:
     buffer's `cap_bytes` of body and the budget (an empty buffer takes any one message), so
     neither is ever over its cap but by a single message larger than it; `full` is True
     exactly while `put` waits for room, or `retire` for the buffer to empty. After the
-    server's `send` fails, or `close` is called, `put` raises OSError (the client is gone) and
-    the buffer gives its bytes back to the budget.
+    server's `send` fails, the drain is cancelled (with whoever waited for it), or `close` is
+    called, `put` raises OSError (the client is gone) and the buffer gives its bytes back to
+    the budget.
     """
 
     def __init__(
@@ -141,8 +142,7 @@ class EgressBuffer:
         been sent, or the send failed."""
         self._input_ended = True
         self._queued.set()
-        with contextlib.suppress(asyncio.CancelledError, OSError):
-            await self._drainer
+        await asyncio.wait([self._drainer])  # a waiter that goes away leaves the drain going
 
     def close(self, reason: str) -> None:
         """Drops what is queued and stops draining (the connection is being reset)."""
@@ -184,10 +184,13 @@ class EgressBuffer:
                     "more_body", False
                 )
                 self._room.set()
+        except asyncio.CancelledError:  # its waiter went away (the app was cancelled)
+            self._failed = self._failed or ConnectionAbortedError("the drain was cancelled")
+            self._release()
+            raise
         except Exception as exc:  # the server's send failed: the client is gone
             self._failed = exc
             self._release()
-            raise OSError(f"sending the buffered response failed: {exc}") from exc
 
     def _release(self) -> None:
         for queued in self._messages:  # adopted sends still waiting for the server

@@ -1,21 +1,24 @@
-"""One HTTP request seen by the kvwatch ASGI middleware: announce, count, cancel, detach,
-close."""
+"""One HTTP request seen by the kvwatch ASGI middleware: announce, count, coalesce, cancel,
+detach, pause, close."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvwatch.hook.asgi_coalesce import CoalescedSend, Coalescing
 from kvwatch.hook.asgi_conn import Connection
 from kvwatch.hook.asgi_egress import EgressBuffer, EgressLimits
 from kvwatch.hook.asgi_kv import KvGeometry, prompt_tokens
+from kvwatch.hook.asgi_pause import PauseGate
 from kvwatch.hook.asgi_sse import DataEvent, EventReader
 from kvwatch.hook.engine_hook import EngineHook
-from kvwatch.hookwire.types import CancelOutcome, DetachOutcome
+from kvwatch.hookwire.types import CommandOutcome
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -54,7 +57,7 @@ class _InFlight:
 
 class RequestStream:
     """The middleware's view of one request; owned by the server's event loop, except
-    `cancel_from_thread` and `detach_from_thread`, which the hook's command workers call.
+    `cancel_from_thread` and `command_from_thread`, which the hook's command workers call.
 
     Invariants: the stream is announced (`open`) at most once, at its first token — the
     first SSE event with data, which carries the engine's request id (comments such as
@@ -65,7 +68,11 @@ class RequestStream:
     llama-cpp-python releases its lock). Egress is coupled (`buffer` None), decoupled from
     the response's start (`buffer`, not `detached`), or `detached` by the agent: then the
     sends in flight were handed to `buffer` and the app's sends return at once, until the
-    next one would not fit and the stream is coupled again (`buffer` None).
+    next one would not fit and the stream is coupled again (`buffer` None). Whatever goes to
+    the server goes through one `CoalescedSend`, which gathers the body after the first token
+    (kvwatch.hook.asgi_coalesce). While `paused`, the app's next body send is held before any
+    of that (kvwatch.hook.asgi_pause); a detach unpauses the stream, and a detached stream is
+    not paused.
     """
 
     def __init__(
@@ -78,11 +85,14 @@ class RequestStream:
         on_open: Callable[[RequestStream], None],
         send: Send,
         egress: EgressLimits,
+        coalescing: Coalescing,
     ) -> None:
         self._hook = hook
         self._on_open = on_open
         self._geometry = geometry
-        self._send = send
+        transport = connection.transport if connection is not None else None
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        self._send = CoalescedSend(send, coalescing.for_connection(sock))
         self._egress = egress
         self.connection = connection
         self._fallback_id = fallback_id
@@ -101,6 +111,7 @@ class RequestStream:
         self.buffer: EgressBuffer | None = None
         self.detached = False
         self._in_flight: list[_InFlight] = []
+        self._gate = PauseGate(self.cancelled, connection)
 
     def kv_blocks(self) -> int:
         if self.app_done.is_set():
@@ -139,15 +150,20 @@ class RequestStream:
 
     async def send(self, message: Message) -> None:
         """The app's send: to the server (coupled) or to the stream's buffer."""
+        kind = message.get("type")
+        if kind == "http.response.body":
+            await self._gate.hold()
         if self.cancelled.is_set():
             await _refuse_after_grace()
-        kind = message.get("type")
         if kind == "http.response.start":
             self._streaming = _is_event_stream(message)
             if self._streaming and self._egress.decoupled_bytes:
                 self.buffer = self._new_buffer(self._egress.decoupled_bytes)
         elif kind == "http.response.body" and self._streaming:
+            first_token = self.tokens_out == 0
             self._read_body(bytes(message.get("body", b"")), bool(message.get("more_body", False)))
+            if first_token and self.tokens_out:
+                self._send.coalesce_after(message)  # the first token never waits
         if self.buffer is not None and self.detached and not self.buffer.fits(message):
             await self._guarded(self._couple_again())
         if self.buffer is not None:
@@ -185,59 +201,101 @@ class RequestStream:
         self.buffer, self.detached = None, False
         self.report()
 
-    async def drain(self) -> None:
-        """Waits until the buffered response is sent; a cancel meanwhile drops it and resets."""
-        assert self.buffer is not None, "only buffered responses drain"
-        if not await self._until_cancelled(self.buffer.finish()):
-            self.drop("cancelled by kvwatch")
+    async def end_egress(self, *, returned: bool) -> None:
+        """After the app ended: once it `returned` normally, waits until what the buffer holds
+        and what the coalescer gathered are sent (a cancel meanwhile drops them and resets);
+        otherwise drops them."""
+        if returned and not self.cancelled.is_set():
+            if self.buffer is not None:
+                self.report()  # kv_blocks is 0 now: the app let the request go
+            if not await self._until_cancelled(self._flush()):
+                self.drop("cancelled by kvwatch")
+        elif not returned and self.buffer is not None:
+            self.buffer.close("the app failed")
+        self._send.discard()
+
+    async def _flush(self) -> None:
+        if self.buffer is not None:
+            await self.buffer.finish()
+        with contextlib.suppress(OSError):  # the client is gone: nothing left to send to
+            await self._send.flush()
 
     def drop(self, reason: str) -> None:
         """Ends a cancelled stream's connection: its buffered output dropped, then a reset."""
         if self.buffer is not None:
             self.buffer.close(reason)
+        self._send.discard()
         if self.connection is not None:
             self.connection.reset()
 
-    def cancel_from_thread(self, reason: str, timeout_seconds: float) -> CancelOutcome:
+    def cancel_from_thread(self, reason: str, timeout_seconds: float) -> CommandOutcome:
         """Delivers http.disconnect on the loop and waits for the app to return."""
         request_id = self.request_id or self._fallback_id
         if self.app_done.is_set():  # decoupled egress: generation ended, only bytes remain
             self._loop.call_soon_threadsafe(self.cancelled.set)
             detail = "the engine had finished generating; only buffered output was dropped"
-            return CancelOutcome(request_id, "already_finished", 0, 0, detail)
+            return CommandOutcome(request_id, "already_finished", 0, 0, detail)
         blocks = self.kv_blocks()
         self._loop.call_soon_threadsafe(self.cancelled.set)
         if not self.app_done.wait(timeout_seconds):
             detail = f"the app did not return within {timeout_seconds:g} s of http.disconnect"
-            return CancelOutcome(request_id, "failed", 0, 0, detail)
+            return CommandOutcome(request_id, "failed", 0, 0, detail)
         freed = blocks * self._geometry.bytes_per_block
-        return CancelOutcome(request_id, "cancelled", blocks, freed, f"{reason}; KV estimated")
+        return CommandOutcome(request_id, "cancelled", blocks, freed, f"{reason}; KV estimated")
 
-    def detach_from_thread(self, timeout_seconds: float) -> DetachOutcome:
-        """Runs `detach` on the loop and returns its outcome (`failed` if the loop did not
-        get to it in time)."""
-        future = asyncio.run_coroutine_threadsafe(self.detach(), self._loop)
+    def command_from_thread(
+        self, command: Coroutine[Any, Any, CommandOutcome], timeout_seconds: float
+    ) -> CommandOutcome:
+        """Runs `command` (`detach()`, `pause()`, `release()`) on the loop and returns its
+        outcome (`failed` if the loop did not get to it in time)."""
+        future = asyncio.run_coroutine_threadsafe(command, self._loop)
         try:
             return future.result(timeout_seconds)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            detail = f"the server's event loop did not run the detach within {timeout_seconds:g} s"
-            return DetachOutcome(self.request_id or self._fallback_id, "failed", 0, 0, detail)
+            detail = f"the server's event loop did not run it within {timeout_seconds:g} s"
+            return CommandOutcome(self.request_id or self._fallback_id, "failed", 0, 0, detail)
 
-    async def detach(self) -> DetachOutcome:
+    async def pause(self) -> CommandOutcome:
+        """Holds the app's next body send until `release` (kvwatch.hook.asgi_pause); a
+        paused stream is paused again (the hook renews its lease). Declined for a stream
+        being cancelled or detached (its generation is meant to run to its end)."""
+        request_id = self.request_id or self._fallback_id
+        if self.app_done.is_set():
+            return CommandOutcome(request_id, "already_finished", 0, 0, "the app has returned")
+        if self.cancelled.is_set():
+            return CommandOutcome(request_id, "declined", 0, 0, "it is being cancelled")
+        if self.detached:
+            why = "it is detached: its generation runs to its end"
+            return CommandOutcome(request_id, "declined", 0, 0, why)
+        self._gate.pause()
+        return CommandOutcome(request_id, "paused")
+
+    async def release(self) -> CommandOutcome:
+        """Lets the held send go on; "not_held" when the stream is not paused."""
+        request_id = self.request_id or self._fallback_id
+        if self.app_done.is_set():
+            return CommandOutcome(request_id, "already_finished", 0, 0, "the app has returned")
+        if not self._gate.paused:
+            return CommandOutcome(request_id, "not_held", 0, 0, "it is not paused")
+        self._gate.release()
+        return CommandOutcome(request_id, "released")
+
+    async def detach(self) -> CommandOutcome:
         """From now on the app's sends go to a buffer of up to `detach_bytes`, the send in
         flight (if any) first; declined if the stream is buffered already or the buffers
-        have no room for that send. Runs on the loop without yielding to it."""
+        have no room for that send. A paused stream is unpaused. Runs on the loop without
+        yielding to it."""
         request_id = self.request_id or self._fallback_id
         if self.buffer is not None:
             why = "it is detached already"
             if not self.detached:
                 why = "every response is buffered here already (KVWATCH_EGRESS_BUFFER_BYTES)"
-            return DetachOutcome(request_id, "declined", 0, 0, why)
+            return CommandOutcome(request_id, "declined", 0, 0, why)
         if self.app_done.is_set():
-            return DetachOutcome(request_id, "already_finished", 0, 0, "the app has returned")
+            return CommandOutcome(request_id, "already_finished", 0, 0, "the app has returned")
         if self.cancelled.is_set():
-            return DetachOutcome(request_id, "declined", 0, 0, "it is being cancelled")
+            return CommandOutcome(request_id, "declined", 0, 0, "it is being cancelled")
         buffer = self._new_buffer(self._egress.detach_bytes)
         if not all(buffer.adopt(f.message, f.sending) for f in self._in_flight):
             buffer.close("the detach was declined")
@@ -246,11 +304,12 @@ class RequestStream:
                 f"no room for the output in flight: {budget.buffered_bytes} of "
                 f"{budget.total_cap_bytes} bytes buffered, {self._egress.detach_bytes} per stream"
             )
-            return DetachOutcome(request_id, "declined", 0, 0, detail)
+            return CommandOutcome(request_id, "declined", 0, 0, detail)
         for in_flight in self._in_flight:
             in_flight.handed_over.set_result(None)
         self.buffer, self.detached = buffer, True
-        return DetachOutcome(request_id, "detached", 0, 0, buffered_bytes=buffer.buffered_bytes)
+        self._gate.release()  # a held send goes on, into the buffer
+        return CommandOutcome(request_id, "detached", 0, 0, buffered_bytes=buffer.buffered_bytes)
 
     def _new_buffer(self, cap_bytes: int) -> EgressBuffer:
         return EgressBuffer(self._send, cap_bytes, self._egress.budget, self._report_full)

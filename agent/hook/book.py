@@ -145,8 +145,9 @@ class StreamBook:
                 if stream.parked and stream.kv_blocks:  # its KV is free now, whoever says
                     stream.kv_blocks = 0
                     self._queue_update(request_id)
-            elif status == "detached":
+            elif status == "detached":  # a detach ends a pause: the generation runs on
                 stream.detached = not stream.egress_buffer_full
+                stream.paused = False
             elif status in ("paused", "released"):
                 stream.paused = status == "paused"
             return True

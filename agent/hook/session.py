@@ -215,7 +215,7 @@ class Session:
         live = self._book.answered(answer.request_id, answer.status, resumes_then)
         if answer.status in ("paused", "parked") and live:
             self._holds.hold(answer.request_id, lease_ms, time.monotonic())
-        elif answer.status == "released":
+        elif answer.status in ("released", "detached"):  # a detach ends a pause too
             self._holds.drop(answer.request_id)
 
     def _flush(self, now: float) -> str | None:

@@ -320,7 +320,7 @@ class EngineConnection:
             )
         elif message.status == "detached" and (stream := self._registry.get(request_id)):
             detached = not stream.egress_buffer_full
-            self._registry.update(self.connection_id, request_id, detached=detached)
+            self._registry.update(self.connection_id, request_id, detached=detached, paused=False)
         elif message.status == "paused":
             self._registry.update(self.connection_id, request_id, paused=True)
         elif message.status == "released":  # a parked one has its KV back later: `resumed`

@@ -7,17 +7,20 @@ and is stopped (engine included) when its test ends.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvwatch.engine.config import EngineConfig
 from kvwatch.engine.engine import Engine
 from kvwatch.engine.engine_server import EngineServer, attach_hook
+from kvwatch.engine.parking import CopyOut
 from kvwatch.hookwire.protocol import LineFramer, Message, encode
 
 STALLED_RCVBUF_BYTES = 4096
@@ -32,11 +35,12 @@ def tiny_config(**overrides: Any) -> EngineConfig:
 
 @pytest.fixture
 def make_engine() -> Iterator[Callable[..., Engine]]:
-    """Builds started engines (tiny model, CPU) and stops them after the test."""
+    """Builds started engines (tiny model, CPU; `copy_out` as `Engine` takes it) and stops
+    them after the test."""
     engines: list[Engine] = []
 
-    def make(**overrides: Any) -> Engine:
-        engine = Engine(tiny_config(**overrides))
+    def make(copy_out: CopyOut | None = None, **overrides: Any) -> Engine:
+        engine = Engine(tiny_config(**overrides), copy_out=copy_out)
         engine.start()
         engines.append(engine)
         return engine
@@ -89,6 +93,18 @@ class StalledClient:
                 raise AssertionError(f"server closed early: {self.received!r}")
             self.received += chunk
 
+    def read_to_the_end(self) -> list[str]:
+        """Reads the rest of the stream; the text of each token event, once [DONE] came."""
+        data = self.received
+        while b"data: [DONE]" not in data:
+            chunk = self.sock.recv(65536)
+            assert chunk, f"the stream ended before [DONE]: {data[-200:]!r}"
+            data += chunk
+        events = [line[6:] for line in data.decode().split("\n") if line.startswith("data: {")]
+        choices = [json.loads(event)["choices"][0] for event in events]
+        assert choices[-1]["finish_reason"] == "length"
+        return [choice["text"] for choice in choices[:-1]]
+
     def drain_until_closed(self) -> str:
         """Reads everything left; returns "reset" on ECONNRESET, "eof" on an orderly close."""
         try:
@@ -100,6 +116,14 @@ class StalledClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def completion_text(server: EngineServer, prompt: str, max_tokens: int) -> str:
+    """The text of a plain (unstreamed) completion: what any stream of it must carry."""
+    body = {"prompt": prompt, "max_tokens": max_tokens}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    text: str = response.json()["choices"][0]["text"]
+    return text
 
 
 @pytest.fixture

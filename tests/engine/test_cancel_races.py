@@ -12,7 +12,7 @@ import pytest
 
 from kvwatch.engine.engine import Engine
 from kvwatch.engine.requests import Completion, GenerationRequest, RequestHandle
-from kvwatch.hookwire.types import CancelOutcome
+from kvwatch.hookwire.types import CommandOutcome
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
@@ -77,7 +77,7 @@ def test_cancels_racing_admissions_never_corrupt_kv(
 
     engine = make_engine(**settings)
     targets = random.Random(9).sample([r.request_id for r in requests], k=NUM_REQUESTS // 2)
-    outcomes: dict[str, CancelOutcome] = {}
+    outcomes: dict[str, CommandOutcome] = {}
 
     def cancel_some(ids: list[str]) -> None:
         rng = random.Random(ids[0])

@@ -14,7 +14,7 @@ from httpx_sse import connect_sse
 from kvwatch.engine.engine_server import EngineServer
 from kvwatch.engine.requests import GenerationRequest
 from tests.engine.conftest import StalledClient
-from tests.waiting import wait_until
+from tests.waiting import wait_for, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -213,6 +213,53 @@ def test_overload_and_duplicate_ids_are_refused_while_a_stream_is_stuck(
     wait_until(lambda: server.engine.stats().waiting == 0, 20, "no request waiting")
 
 
+def test_requests_shows_live_and_finished_requests_with_their_token_counts(
+    server: EngineServer, client: httpx.Client, stalled_clients: list[StalledClient]
+) -> None:
+    client.post(
+        "/v1/completions", json={"prompt": "d", "max_tokens": 5}, headers={"X-Request-Id": "d"}
+    )
+    body = json.dumps({"prompt": "s", "max_tokens": 400, "stream": True}).encode()
+    stalled_clients.append(StalledClient(server.address, body, request_id="stuck"))
+
+    def report(request_id: str, state: str) -> dict[str, Any] | None:
+        response = client.get(f"/v1/requests/{request_id}")
+        found: dict[str, Any] = response.json()
+        return found if found.get("state") == state else None
+
+    def held(found: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Its writer holds what it took in a send its client does not take, and the
+        engine's queue is full: 4 tokens generated, not taken."""
+        untaken = found is not None and found["tokens_generated"] - found["tokens_taken"]
+        return found if untaken == 4 else None
+
+    stuck = wait_for(lambda: held(report("cmpl-stuck", "egress_blocked")), 20, "it stuck")
+    assert stuck["kv_blocks"] > 0 and stuck["finish_reason"] is None
+    assert server.engine.pause("cmpl-stuck", "test").status == "paused"
+    wait_for(lambda: report("cmpl-stuck", "paused"), 20, "the paused state")
+    assert server.engine.park("cmpl-stuck", "test").status == "parked"
+    parked = wait_for(lambda: report("cmpl-stuck", "parked"), 20, "the parked state")
+    assert parked["kv_blocks"] == 0
+    assert server.engine.cancel("cmpl-stuck", "test").status == "cancelled"
+
+    listed = {r["request_id"]: r for r in client.get("/v1/requests").json()["data"]}
+    assert listed["cmpl-d"] == {
+        "request_id": "cmpl-d",
+        "state": "finished",
+        "kv_blocks": 0,
+        "tokens_generated": 5,
+        "tokens_taken": 5,
+        "finish_reason": "length",
+    }
+    assert (listed["cmpl-stuck"]["state"], listed["cmpl-stuck"]["finish_reason"]) == (
+        "cancelled",
+        "abort",
+    )
+    missing = client.get("/v1/requests/cmpl-nobody")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "request_not_found"
+
+
 def test_metrics_and_health(client: httpx.Client) -> None:
     client.post("/v1/completions", json={"prompt": "m", "max_tokens": 3})
     assert client.get("/health").status_code == 200
@@ -223,6 +270,9 @@ def test_metrics_and_health(client: httpx.Client) -> None:
         "kvwatch_engine:kv_cache_usage_perc",
         "kvwatch_engine:kv_cache_blocks_used",
         "kvwatch_engine:num_preemptions_total",
+        "kvwatch_engine:num_requests_paused",
+        "kvwatch_engine:num_pauses_total",
+        "kvwatch_engine:num_releases_total",
         "kvwatch_engine:time_to_first_token_seconds_bucket",
         "kvwatch_engine:inter_token_latency_seconds_bucket",
         'kvwatch_engine:request_success_total{finished_reason="length"}',

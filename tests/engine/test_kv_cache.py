@@ -99,8 +99,9 @@ class BlockTables(RuleBasedStateMachine):
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """The scheduler driving the KV manager: admissions, steps, preemptions, cancels, and
-    clients that stop reading (egress-blocked requests keep their blocks)."""
+    """The scheduler driving the KV manager: admissions, steps, preemptions, cancels, clients
+    that stop reading (egress-blocked requests keep their blocks) and pauses (a paused request
+    is neither advanced, admitted nor preempted)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,6 +130,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         plan = self.scheduler.schedule()
         for seq in plan.prefills + plan.decodes:
             assert seq.status is SeqStatus.RUNNING
+            assert not seq.paused
             assert self.kv.num_blocks_of(seq.request_id) >= self.kv.blocks_needed(
                 len(seq.token_ids)
             )
@@ -139,6 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.live.remove(seq)
         for seq in plan.preempted:
             assert self.kv.num_blocks_of(seq.request_id) == 0
+            assert not seq.paused
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
@@ -153,6 +156,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def toggle_reader(self, data: st.DataObject) -> None:
         request_id = data.draw(st.sampled_from(self.live)).request_id
         self.blocked ^= {request_id}
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def toggle_pause(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.live))
+        seq.paused = not seq.paused
 
     @invariant()
     def ownership(self) -> None:

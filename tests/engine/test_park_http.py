@@ -1,32 +1,34 @@
 """Parking over the wire: a real client over TCP stops reading (small receive buffer), the
-request is parked (through the engine hook from a test agent, or by `Engine.park`), and once
-the client reads again it gets the whole stream: every token, `[DONE]`, the same text as an
-unparked request. An engine with parking off does not offer it in its hello.
+request is parked (through the engine hook from a test agent, or by `Engine.park`) and
+released, and once the client reads again it gets the whole stream: every token, `[DONE]`,
+the same text as an unparked request. An engine with parking off does not offer it in its
+hello.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvwatch.engine.engine import Engine
 from kvwatch.engine.engine_server import EngineServer, attach_hook
 from kvwatch.hookwire.protocol import (
     FEATURE_PARK,
+    FEATURE_PAUSE,
     Close,
     EngineInfo,
     Park,
     Parked,
+    Release,
+    Released,
     Resumed,
     Update,
 )
-from tests.engine.conftest import MiniAgent, StalledClient, tiny_config
-from tests.waiting import wait_for
+from tests.engine.conftest import MiniAgent, StalledClient, completion_text, tiny_config
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -41,87 +43,56 @@ def stall(server: EngineServer, clients: list[StalledClient], name: str) -> Stal
     return client
 
 
-def park_when_blocked(engine: Engine, request_id: str, park: Callable[[int], str]) -> None:
-    """Parks the request once it is blocked on its client. Bytes still in flight can drain
-    into the client's buffers and unblock it briefly, and then the park is declined: so,
-    as the agent would after more back-pressure, it tries again. `park(attempt)` parks and
-    returns the answer's status."""
-    attempts = itertools.count()
-
-    def parked() -> bool:
-        mine = [r for r in engine.stats().requests if r.request_id == request_id]
-        if not mine or mine[0].state != "egress_blocked":
-            return False
-        status = park(next(attempts))
-        assert status in ("parked", "declined"), status
-        return status == "parked"
-
-    wait_for(parked, 20, f"{request_id} parked")
-
-
-def read_to_the_end(client: StalledClient) -> list[str]:
-    """Reads the rest of the stream; the text of each token event, once [DONE] came."""
-    data = client.received
-    while b"data: [DONE]" not in data:
-        chunk = client.sock.recv(65536)
-        assert chunk, f"the stream ended before [DONE]: {data[-200:]!r}"
-        data += chunk
-    events = [line[6:] for line in data.decode().split("\n") if line.startswith("data: {")]
-    choices = [json.loads(event)["choices"][0] for event in events]
-    assert choices[-1]["finish_reason"] == "length"
-    return [choice["text"] for choice in choices[:-1]]
+def holding_blocks(engine: Engine, request_id: str) -> None:
+    wait_until(
+        lambda: any(r.request_id == request_id and r.kv_blocks for r in engine.stats().requests),
+        20,
+        f"{request_id} holding blocks",
+    )
 
 
 def unparked_text(server: EngineServer) -> str:
-    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS}
-    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
-    text: str = response.json()["choices"][0]["text"]
-    return text
+    return completion_text(server, PROMPT, MAX_TOKENS)
 
 
-def test_a_client_that_stops_reading_is_parked_then_gets_the_whole_stream(
+def test_a_client_that_stops_reading_is_parked_released_and_gets_the_whole_stream(
     make_server: Callable[..., EngineServer], stalled_clients: list[StalledClient]
 ) -> None:
     server = make_server(kv_blocks=64, debug_checks=True)
     engine = server.engine
     client = stall(server, stalled_clients, "http")
+    holding_blocks(engine, "cmpl-http")
 
-    park_when_blocked(engine, "cmpl-http", lambda _: engine.park("cmpl-http", "test").status)
-
+    assert engine.park("cmpl-http", "test").status == "parked"  # its writer need not be held
     assert engine.stats().kv_blocks_used == 0
-    texts = read_to_the_end(client)
+    assert engine.release("cmpl-http", "test").status == "released"
+
+    texts = client.read_to_the_end()
     assert len(texts) == MAX_TOKENS
     assert "".join(texts) == unparked_text(server)
     stats = engine.stats()
     assert (stats.num_parks, stats.num_resumes, stats.parked_host_bytes) == (1, 1, 0)
 
 
-def test_a_park_through_the_engine_hook_answers_parked_and_resumes(
+def test_a_park_and_a_release_through_the_engine_hook(
     hooked_server: tuple[EngineServer, MiniAgent], stalled_clients: list[StalledClient]
 ) -> None:
     server, agent = hooked_server
     hello = agent.wait_for(lambda m: isinstance(m, EngineInfo), "hello")
-    assert isinstance(hello, EngineInfo) and hello.can(FEATURE_PARK)
+    assert isinstance(hello, EngineInfo) and hello.can(FEATURE_PARK) and hello.can(FEATURE_PAUSE)
     client = stall(server, stalled_clients, "hooked")
-    answers: list[Parked] = []
+    holding_blocks(server.engine, "cmpl-hooked")
 
-    def park(attempt: int) -> str:
-        correlation_id = f"p-{attempt}"
-        agent.send(Park(request_id="cmpl-hooked", reason="test", correlation_id=correlation_id))
-        answer = agent.wait_for(
-            lambda m: isinstance(m, Parked) and m.correlation_id == correlation_id, "parked"
-        )
-        assert isinstance(answer, Parked)
-        answers.append(answer)
-        return answer.status
-
-    park_when_blocked(server.engine, "cmpl-hooked", park)
-
-    assert answers[-1].freed_blocks > 0
+    agent.send(Park(request_id="cmpl-hooked", reason="test", correlation_id="p-1", lease_ms=60000))
+    parked = agent.wait_for(lambda m: isinstance(m, Parked), "parked")
+    assert isinstance(parked, Parked) and parked.status == "parked" and parked.freed_blocks > 0
     agent.wait_for(lambda m: isinstance(m, Update) and m.kv_blocks == 0, "an update of 0 blocks")
     assert server.engine.stats().kv_blocks_used == 0
 
-    texts = read_to_the_end(client)
+    agent.send(Release(request_id="cmpl-hooked", reason="test", correlation_id="r-1"))
+    released = agent.wait_for(lambda m: isinstance(m, Released), "released")
+    assert isinstance(released, Released) and released.status == "released"
+    texts = client.read_to_the_end()
 
     resumed = agent.wait_for(lambda m: isinstance(m, Resumed), "resumed")
     assert isinstance(resumed, Resumed)
@@ -133,14 +104,15 @@ def test_a_park_through_the_engine_hook_answers_parked_and_resumes(
     assert "".join(texts) == unparked_text(server)
 
 
-def test_an_engine_with_parking_off_does_not_offer_it(tmp_path: Path) -> None:
+def test_an_engine_with_parking_and_pausing_off_offers_neither(tmp_path: Path) -> None:
     agent = MiniAgent(tmp_path / "engine.sock")
-    engine = Engine(tiny_config(park=False))
+    engine = Engine(tiny_config(park=False, pause=False))
     hook = attach_hook(engine, str(tmp_path / "engine.sock"))
     hook.start()
     try:
         hello = agent.wait_for(lambda m: isinstance(m, EngineInfo), "hello")
-        assert isinstance(hello, EngineInfo) and not hello.can(FEATURE_PARK)
+        assert isinstance(hello, EngineInfo)
+        assert not hello.can(FEATURE_PARK) and not hello.can(FEATURE_PAUSE)
     finally:
         hook.stop()
         agent.close()

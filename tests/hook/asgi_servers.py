@@ -32,11 +32,13 @@ START_SECONDS = 10.0
 
 class SseApp:
     """`POST /v1/completions` streams `max_tokens` OpenAI-style chunks, one every `pause`
-    seconds; `outcomes` records how each request's generator ended (finished, disconnected)."""
+    seconds; `outcomes` records how each request's generator ended (finished, disconnected),
+    `yielded` how many chunks it has yielded."""
 
     def __init__(self, pause: float = 0.002) -> None:
         self.pause = pause
         self.outcomes: dict[str, str] = {}
+        self.yielded: dict[str, int] = {}
         self.scope_clients: dict[str, str] = {}  # the client address the app was told
         self.app = Starlette(
             routes=[
@@ -66,6 +68,7 @@ class SseApp:
                     "choices": [{"text": f" t{index}"}],
                     "pad": padding,
                 }
+                self.yielded[request_id] = index + 1
                 yield f"data: {json.dumps(chunk)}\n\n"
                 await asyncio.sleep(self.pause)
             yield "data: [DONE]\n\n"

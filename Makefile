@@ -69,7 +69,6 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/kvwatch
 	for entry in agent/*; do ln -s ../../../$$entry $(TYPECHECK)/kvwatch/; done
-	ln -s ../../../exporters $(TYPECHECK)/kvwatch/exporters
 	MYPYPATH=$(TYPECHECK) $(VENV)/bin/mypy -p kvwatch -p tests -p bench
 
 clean:

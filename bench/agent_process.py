@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 
 from bench.token_load import TokenLoad
-from kvwatch.harness.stack import Stack
+from kvwatch.lab.harness.stack import Stack
 
 SETTLE_SECONDS = 6.0  # the first scans convert every record: not steady state
 WINDOWS = 6

@@ -35,13 +35,13 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from bench.common import write_result
-from kvwatch.engine.config import EngineConfig
-from kvwatch.engine.engine import Engine
-from kvwatch.engine.engine_server import EngineServer
 from kvwatch.hook.asgi import Middleware
 from kvwatch.hook.asgi_coalesce import DEFAULT_COALESCE_BYTES, DEFAULT_COALESCE_MS
-from tests.hook.asgi_servers import serving
-from tests.hook.http_chunks import ChunkedResponse
+from kvwatch.lab.asgi_servers import serving
+from kvwatch.lab.engine.config import EngineConfig
+from kvwatch.lab.engine.engine import Engine
+from kvwatch.lab.engine.engine_server import EngineServer
+from kvwatch.lab.http_chunks import ChunkedResponse
 
 RATES = (20, 50, 100, 200)
 PACED_SECONDS = 3.0

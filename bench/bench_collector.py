@@ -47,7 +47,7 @@ from typing import Any
 
 from bench import agent_process, bench_footprint, collector_cpu
 from bench.bpf.handler_costs import FLOOR, LOOKUP_AND_CLOCK, handler_costs
-from bench.common import RESULTS, write_result
+from bench.common import RESULTS, spread, write_result
 from bench.token_load import TokenLoad, TokenPump
 from kvwatch.collect.bpf.collector import BpfCollector
 from kvwatch.collect.bpf.layout import KvSockRecord
@@ -201,16 +201,7 @@ def measure_once() -> dict[str, Any]:
     return result
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    """The median of one figure over the runs, and its range."""
-    return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-    }
-
-
-def ns_per_event(rows: list[dict[str, Any]], storage: str, program: str) -> dict[str, float]:
+def ns_per_event(rows: list[dict[str, Any]], storage: str, program: str) -> dict[str, float | None]:
     return spread([row["handlers"][storage][program]["ns_per_event"] for row in rows])
 
 

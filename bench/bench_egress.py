@@ -17,7 +17,7 @@ Three ways the middleware can send a response:
   (`kvwatch.sockets.sndbuf_full`, the collector's test) for BACKED_UP_SECONDS.
 
 Each mode runs REPETITIONS times, same model and load: a tiny random-weight model
-(tests/e2e/tiny_gguf.py) under uvicorn in this process (64 KB server send buffers standing in
+(agent/lab/tiny_gguf.py) under uvicorn in this process (64 KB server send buffers standing in
 for a long answer), a reader with the kernel's default receive buffer taking
 `READ_BYTES_PER_SECOND` of a `SLOW_TOKENS`-token stream, and `WAITING_AFTER_SECONDS` later a
 waiting request for `WAITING_TOKENS` tokens (default buffers too) read at full speed.
@@ -40,14 +40,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.bench_collector import spread
-from bench.common import RESULTS, write_result
+from bench.common import RESULTS, spread, write_result
 from kvwatch.collect.diag.snapshot import take_snapshot
 from kvwatch.hookserver.registry import EngineStream
+from kvwatch.lab.agent_thread import HookServerThread
+from kvwatch.lab.llama_servers import MODEL, SERVER_SNDBUF_BYTES, llama_completion, serving_llama
+from kvwatch.lab.tiny_gguf import write_tiny_llama
 from kvwatch.sockets import sndbuf_full
-from tests.e2e.tiny_gguf import write_tiny_llama
-from tests.hook.agent_thread import HookServerThread
-from tests.hook.llama_servers import MODEL, SERVER_SNDBUF_BYTES, llama_completion, serving_llama
 
 SLOW_TOKENS = 2000
 WAITING_TOKENS = 50
@@ -121,7 +120,7 @@ def detach_when_backed_up(
         full_since = full_since or now
         stream = agent.stream()
         if stream is not None and now - full_since >= BACKED_UP_SECONDS:
-            outcome = agent.detach(stream.request_id)
+            outcome = agent.command("detach", stream.request_id)
             if outcome.status != "detached":
                 raise RuntimeError(f"detach {outcome.status}: {outcome.detail}")
             return now

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from bench.common import write_result
-from kvwatch.engine.attention import build_paged_batch
-from kvwatch.engine.config import DEFAULT_MODEL_SIZE, EngineConfig
-from kvwatch.engine.engine import Engine
-from kvwatch.engine.kv_cache import KVCacheManager
-from kvwatch.engine.requests import GenerationRequest
-from kvwatch.engine.runner import Sampling
-from kvwatch.engine.scheduler import Scheduler, Sequence
+from kvwatch.lab.engine.attention import build_paged_batch
+from kvwatch.lab.engine.config import DEFAULT_MODEL_SIZE, EngineConfig
+from kvwatch.lab.engine.engine import Engine
+from kvwatch.lab.engine.kv_cache import KVCacheManager
+from kvwatch.lab.engine.requests import GenerationRequest
+from kvwatch.lab.engine.runner import Sampling
+from kvwatch.lab.engine.scheduler import Scheduler, Sequence
 
 RUNNING = 64
 BLOCK_SIZE = 16

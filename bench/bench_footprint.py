@@ -1,7 +1,7 @@
 """Footprint: the agent's CPU and memory while it tracks 0, 1,000 and 10,000 sockets.
 
 The agent (`kvwatch run`, observe mode, BPF collector) watches the port of a loopback
-server (kvwatch.harness.scenario.Scenario) that idle clients connect to: connected, nothing sent
+server (kvwatch.lab.harness.scenario.Scenario) that idle clients connect to: connected, nothing sent
 after their first line, as keep-alive connections to an inference server sit. The clients
 live in a child process, so neither process needs more than ~10,000 file descriptors. The
 counts grow in steps (0, then 1,000, then 10,000) in one agent process; after each step
@@ -30,9 +30,9 @@ import psutil
 
 from bench.common import RESULTS, write_result
 from kvwatch.errors import KvwatchError
-from kvwatch.harness.demo import scrape
-from kvwatch.harness.scenario import Scenario
-from kvwatch.harness.stack import Stack
+from kvwatch.lab.harness.demo import scrape
+from kvwatch.lab.harness.scenario import Scenario
+from kvwatch.lab.harness.stack import Stack
 
 STEPS = (0, 1_000, 10_000)
 MEASURE_SECONDS = 20.0

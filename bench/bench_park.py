@@ -41,14 +41,14 @@ from typing import Any
 import torch
 
 from bench.common import write_result
-from kvwatch.engine.attention import PagedKVStorage
-from kvwatch.engine.config import DEFAULT_MODEL_SIZE, MODEL_SHAPES, EngineConfig
-from kvwatch.engine.engine import Engine
-from kvwatch.engine.kv_cache import KVCacheManager
-from kvwatch.engine.model import ByteTokenizer, TransformerModel
-from kvwatch.engine.requests import GenerationRequest
-from kvwatch.engine.runner import ModelRunner, Sampling
-from kvwatch.engine.scheduler import Sequence
+from kvwatch.lab.engine.attention import PagedKVStorage
+from kvwatch.lab.engine.config import DEFAULT_MODEL_SIZE, MODEL_SHAPES, EngineConfig
+from kvwatch.lab.engine.engine import Engine
+from kvwatch.lab.engine.kv_cache import KVCacheManager
+from kvwatch.lab.engine.model import ByteTokenizer, TransformerModel
+from kvwatch.lab.engine.requests import GenerationRequest
+from kvwatch.lab.engine.runner import ModelRunner, Sampling
+from kvwatch.lab.engine.scheduler import Sequence
 
 CONTEXTS = (64, 512, 2048)
 COST_REPEATS = 7

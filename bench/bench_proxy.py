@@ -25,15 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, write_result
-from tests.e2e.conftest import STALL_SECONDS, Stack
-from tests.proxy.proxies import PROXIES, Proxy, start_proxy
-from tests.proxy.test_behind_a_proxy import GUARANTEE, LONG_TOKENS, client, through
+from kvwatch.config.schema import DEFAULT_MIN_READER_BYTES_PER_SECOND
+from kvwatch.lab.harness.cut_stack import STALL_SECONDS, CutStack
+from kvwatch.lab.proxies import PROXIES, Proxy, client, start_proxy, through
 
 CLIENTS_PER_PROXY = 8
 WAIT_SECONDS = 15.0
 
 
-def one_client(stack: Stack, proxy: Proxy, name: str) -> dict[str, Any]:
+GUARANTEE = DEFAULT_MIN_READER_BYTES_PER_SECOND  # the agent's default
+LONG_TOKENS = 1400  # ~250 KB: an answer the proxy's and the kernel's buffers cannot hold
+
+
+def one_client(stack: CutStack, proxy: Proxy, name: str) -> dict[str, Any]:
     reader = through(proxy, client(name, "4k", GUARANTEE, 0), LONG_TOKENS)
     request_id = f"cmpl-{name}"
     try:
@@ -70,7 +74,7 @@ def one_client(stack: Stack, proxy: Proxy, name: str) -> dict[str, Any]:
 
 def run_proxy(name: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"kvwatch-bench-{name}-") as workdir:
-        stack = Stack(Path(workdir))
+        stack = CutStack(Path(workdir))
         proxy = None
         try:
             stack.start_engine()

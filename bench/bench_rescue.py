@@ -51,16 +51,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, write_result
+from bench.common import RESULTS, spread, write_result
 from bench.stack import engine_connection, stall_arrivals
+from kvwatch.config.schema import DEFAULT_MIN_READER_BYTES_PER_SECOND
 from kvwatch.errors import KvwatchError
-from kvwatch.harness import demo
-from kvwatch.harness.demo import PROMPT, scrape
-from kvwatch.harness.stack import Stack
-from kvwatch.loadgen import LoadPlan, LoadReport, run_load
-from kvwatch.loadgen.report import ClassStats
-from kvwatch.loadgen.runner import ProgressCallback
-from kvwatch.streams.states import DEFAULT_MIN_READER_BYTES_PER_SECOND
+from kvwatch.lab.harness import demo
+from kvwatch.lab.harness.demo import PROMPT, scrape
+from kvwatch.lab.harness.stack import Stack
+from kvwatch.lab.loadgen import LoadPlan, LoadReport, run_load
+from kvwatch.lab.loadgen.report import ClassStats
+from kvwatch.lab.loadgen.runner import ProgressCallback
 
 KV_BLOCKS = 450
 ENGINE_ARGS = (*demo.engine_args(KV_BLOCKS), "--max-tokens-limit", "2048")
@@ -269,14 +269,6 @@ def repetition(rcvbuf_bytes: int) -> dict[str, Any]:
     }
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-    }
-
-
 def buffer_name(rcvbuf_bytes: int) -> str:
     return f"{rcvbuf_bytes // 1024}k" if rcvbuf_bytes else "default"
 
@@ -319,7 +311,7 @@ def measure() -> dict[str, Any]:
     }
 
 
-def targets_met(summary: dict[str, dict[str, float]], side: str) -> dict[str, bool]:
+def targets_met(summary: dict[str, dict[str, Any]], side: str) -> dict[str, bool]:
     throughput, ttft = summary[f"{side}_throughput_ratio"], summary[f"{side}_ttft_p99_ratio"]
     return {
         "throughput_by_median": throughput["median"] >= TARGET_THROUGHPUT_RATIO,

@@ -46,10 +46,10 @@ from typing import Any
 
 from bench.common import RESULTS, write_result
 from bench.stack import engine_connection, stall_arrivals
-from kvwatch.harness import demo
-from kvwatch.harness.stack import Stack
-from kvwatch.loadgen import LoadPlan, run_load
-from kvwatch.loadgen.report import percentile
+from kvwatch.lab.harness import demo
+from kvwatch.lab.harness.stack import Stack
+from kvwatch.lab.loadgen import LoadPlan, run_load
+from kvwatch.lab.loadgen.report import percentile
 
 ENGINE_ARGS = demo.engine_args(kv_blocks=1024)
 PROMPT = "Tell me a long story about a lighthouse keeper."

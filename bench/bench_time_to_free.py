@@ -1,7 +1,7 @@
 """Time to free: from a client's last read to its request's KV freed, with park on and off,
 for clients as the world has them.
 
-The reference engine runs in the server namespace of a test network (tests/verdicts/netlab.py:
+The reference engine runs in the server namespace of a test network (agent/lab/netlab.py:
 a veth pair, MTU 1500, so MSS 1448), the agent enforcing on the host with real BPF, and the
 clients in the client namespace. Each configuration runs STALLED_CLIENTS clients, started
 ARRIVAL_SECONDS apart, that read their first bytes and then stop reading for good, in a fresh
@@ -35,12 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, write_result
-from kvwatch.loadgen.report import percentile
-from tests.verdicts.conftest import SERVER_PORT, Agent
-from tests.verdicts.engine_lab import MAX_TOKENS, EngineLab
-from tests.verdicts.netlab import Link
-from tests.verdicts.readers import Buffer, Reader
-from tests.waiting import wait_until
+from kvwatch.lab.labs import MAX_TOKENS, SERVER_PORT, Agent, EngineLab
+from kvwatch.lab.loadgen.report import percentile
+from kvwatch.lab.netlab import Link
+from kvwatch.lab.readers import Buffer, Reader
+from kvwatch.lab.waiting import wait_until
 
 PARK_SECONDS = 2.0
 STALLED_CLIENTS = 6

@@ -14,7 +14,7 @@ cases; its docstring says what is sampled and how the estimate is made):
   or 30 s and then never again; a 4 KB SO_RCVBUF variant; healthy readers (reading what
   arrives, 4 and 8 KB/s, draining once a second) for the estimate's false alarms;
 - topologies: loopback; two network namespaces over veth (MTU 1500, RTT ~0) and over the
-  TUN delay line with RTT 50 ms (tests/verdicts/netlab.py);
+  TUN delay line with RTT 50 ms (agent/lab/netlab.py);
 - kernels as the receiver: this one, and Debian's 6.1 and 6.12 booted in virtme-ng VMs
   (scripts/kernel_matrix), where writer and reader both run in the guest over loopback
   (a smaller grid: bench/visibility_lab.py `vm_grid`).
@@ -109,8 +109,8 @@ def healthy_grid(quick: bool) -> list[Case]:
 @contextlib.contextmanager
 def namespace_link(link: Any, client_tcp_rmem: str | None = None) -> Iterator[Connect]:
     """Connections from a client namespace to a server namespace over `link` (a
-    tests.verdicts.netlab.Link); the client namespace's tcp_rmem set when given."""
-    from tests.verdicts.netlab import NetLab
+    kvwatch.lab.netlab.Link); the client namespace's tcp_rmem set when given."""
+    from kvwatch.lab.netlab import NetLab
 
     lab = NetLab(link)
     try:
@@ -139,7 +139,7 @@ def topology(name: str) -> Iterator[Connect]:
     if name == "loopback":
         yield loopback_connect
         return
-    from tests.verdicts.netlab import Link
+    from kvwatch.lab.netlab import Link
 
     link = Link(delay_ms=25) if name == "delay50" else Link()
     rmem = STOCK_TCP_RMEM if name == "veth-rmem6m" else None

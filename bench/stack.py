@@ -1,5 +1,5 @@
-"""Benchmark-only load shapes on top of kvwatch.harness.stack: stalled clients that arrive at random
-times rather than all together."""
+"""Benchmark-only load shapes on top of kvwatch.lab.harness.stack: stalled clients that arrive
+at random times rather than all together."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import socket
 
 import httpx
 
-from kvwatch.loadgen.clients import Behaviour, Connection, stream_request
-from kvwatch.loadgen.http import Target, completion_body
-from kvwatch.loadgen.report import ClassStats, Outcome
+from kvwatch.lab.loadgen.clients import Behaviour, Connection, stream_request
+from kvwatch.lab.loadgen.http import Target, completion_body
+from kvwatch.lab.loadgen.report import ClassStats, Outcome
 
 STALLED_RCVBUF_BYTES = 4096
 MAX_STALLED_IN_FLIGHT = 32

@@ -14,7 +14,8 @@ IMPORT = re.compile(r"^\s*(?:from|import)\s+kvwatch\.([a-z_]+)", re.MULTILINE)
 
 
 def _names(cell: str) -> set[str]:
-    """The package names a folder cell spells: `agent/act/`, `agent/config.py`, `exporters/`."""
+    """The package names a folder cell spells: `agent/act/`, `agent/files.py`,
+    `agent/exporters/`."""
     return {Path(path.rstrip("/")).stem for path in re.findall(r"`([^`]+)`", cell)}
 
 

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
-from kvwatch.harness.demo import DemoSettings, run_demo, summary_rows
+from kvwatch.lab.harness.demo import DemoSettings, run_demo, summary_rows
 
 MAX_CLIENTS = 256
 

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from kvwatch.cli.ranges import NumberRange
-from kvwatch.engine.config import (
+from kvwatch.hook.asgi_coalesce import DEFAULT_COALESCE_BYTES, DEFAULT_COALESCE_MS, Coalescing
+from kvwatch.lab.engine.config import (
     DEFAULT_MODEL_SIZE,
     DEFAULT_SNDBUF_BYTES,
     DEVICES,
@@ -19,10 +20,9 @@ from kvwatch.engine.config import (
     MODEL_SHAPES,
     EngineConfig,
 )
-from kvwatch.hook.asgi_coalesce import DEFAULT_COALESCE_BYTES, DEFAULT_COALESCE_MS, Coalescing
 
 if TYPE_CHECKING:
-    from kvwatch.engine.engine_server import EngineServer
+    from kvwatch.lab.engine.engine_server import EngineServer
 
 # Options that configure the HTTP server and the hook; all others are EngineConfig fields.
 _SERVER_OPTIONS = ("host", "port", "sndbuf_bytes", "kvwatch_socket", "no_kvwatch_hook", "log_level")
@@ -210,8 +210,8 @@ def command(**options: Any) -> None:
     normally. Stops on Ctrl-C/SIGTERM.
     """
     # torch and uvicorn load only when the engine runs, so `kvwatch --help` stays quick.
-    from kvwatch.engine.engine import Engine
-    from kvwatch.engine.engine_server import EngineServer, attach_hook
+    from kvwatch.lab.engine.engine import Engine
+    from kvwatch.lab.engine.engine_server import EngineServer, attach_hook
 
     logging.basicConfig(
         level=options["log_level"].upper(),

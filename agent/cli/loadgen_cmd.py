@@ -10,8 +10,8 @@ import click
 
 from kvwatch.cli.ranges import MAX_WAIT_SECONDS, NumberRange
 from kvwatch.errors import KvwatchError
-from kvwatch.loadgen import LoadPlan, LoadReport, render_text, run_load
-from kvwatch.loadgen.report import progress_line
+from kvwatch.lab.loadgen import LoadPlan, LoadReport, render_text, run_load
+from kvwatch.lab.loadgen.report import progress_line
 
 DAY_SECONDS = 86400.0
 MAX_CLIENTS = 10_000

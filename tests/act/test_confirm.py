@@ -9,9 +9,9 @@ import time
 
 from kvwatch.act.confirm import check
 from kvwatch.collect.diag.kernel_view import CheckedViews
+from kvwatch.lab.waiting import wait_until
 from kvwatch.streams.states import StallThresholds, judge
 from tests.act.stalled import StalledConnections, kernel_view
-from tests.waiting import wait_until
 
 POLICY = StallThresholds()
 

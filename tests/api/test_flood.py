@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvwatch.harness.stack import Stack
 from kvwatch.hook import CommandOutcome, EngineHook
+from kvwatch.lab.harness.stack import Stack
 from tests.hookserver.conftest import ENGINE_INFO
 
 NOBODY_UID = 65534

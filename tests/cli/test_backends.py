@@ -9,7 +9,7 @@ import pytest
 
 from kvwatch.collect.bpf.bcc import HEADERS_ENV
 from kvwatch.errors import EXIT_PRIVILEGE
-from kvwatch.harness.scenario import Scenario
+from kvwatch.lab.harness.scenario import Scenario
 from tests.cli.test_sockets_doctor import kvwatch
 
 pytestmark = pytest.mark.bpf

@@ -12,7 +12,7 @@ import pytest
 
 from kvwatch.collect.bpf.loader import SEND_MODES, tracepoint_mode_for_kernel
 from kvwatch.errors import EXIT_PRIVILEGE
-from kvwatch.harness.scenario import Scenario
+from kvwatch.lab.harness.scenario import Scenario
 from tests.collect.bpf.conftest import READING_FLAVOURS
 
 KVWATCH = [sys.executable, "-m", "kvwatch.cli"]

@@ -22,7 +22,7 @@ from kvwatch.collect.window_probe import (
     borrowed_socket,
     read_keepalive,
 )
-from tests.waiting import wait_for
+from kvwatch.lab.waiting import wait_for
 
 CHUNK = b"x" * 1024
 TCP_INFO_BYTES = 512

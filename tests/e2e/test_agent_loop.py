@@ -10,19 +10,19 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import STALL_SECONDS, Stack
+from kvwatch.lab.harness.cut_stack import STALL_SECONDS, CutStack
+from kvwatch.lab.waiting import wait_until
 from tests.metrics_text import metric_value
-from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
 LATENCY_MARGIN_SECONDS = 0.5
 
 
-def engine_metric(stack: Stack, name: str, **labels: str) -> float:
+def engine_metric(stack: CutStack, name: str, **labels: str) -> float:
     return metric_value(httpx.get(f"{stack.engine_url}/metrics").text, name, **labels)
 
 
-def test_enforce_cancels_every_stalled_stream_and_nothing_else(stack: Stack) -> None:
+def test_enforce_cancels_every_stalled_stream_and_nothing_else(stack: CutStack) -> None:
     stack.start_engine()
     stack.start_agent("--mode", "enforce")
     idle = socket.create_connection(("127.0.0.1", stack.engine_port))  # never sends a request
@@ -64,7 +64,7 @@ def test_enforce_cancels_every_stalled_stream_and_nothing_else(stack: Stack) -> 
     )
 
 
-def test_observe_mode_cancels_nothing_and_logs_would_cancel(stack: Stack) -> None:
+def test_observe_mode_cancels_nothing_and_logs_would_cancel(stack: CutStack) -> None:
     stack.start_engine()
     stack.start_agent()  # observe is the default
     report = stack.load(seconds=6, healthy=1, slow=0)
@@ -75,7 +75,7 @@ def test_observe_mode_cancels_nothing_and_logs_would_cancel(stack: Stack) -> Non
     assert report.classes["stalled"].reset == 0
 
 
-def test_reset_alone_ends_the_stall_for_an_engine_without_the_hook(stack: Stack) -> None:
+def test_reset_alone_ends_the_stall_for_an_engine_without_the_hook(stack: CutStack) -> None:
     stack.start_engine("--no-kvwatch-hook")
     stack.start_agent("--mode", "enforce", "--action", "reset")
     report = stack.load(seconds=6, healthy=1, slow=0)
@@ -93,7 +93,7 @@ def test_reset_alone_ends_the_stall_for_an_engine_without_the_hook(stack: Stack)
     )
 
 
-def test_budget_and_deny_rules_hold(stack: Stack) -> None:
+def test_budget_and_deny_rules_hold(stack: CutStack) -> None:
     stack.start_engine()
     stack.start_agent("--mode", "enforce", "--max-cancels-per-minute", "1")
     # The proof takes ~4.5 s from the load's start (streams open, buffers fill, stall_seconds
@@ -104,7 +104,7 @@ def test_budget_and_deny_rules_hold(stack: Stack) -> None:
     assert any(d["reason"] == "budget_exhausted" for d in decisions)
 
 
-def test_deny_rule_protects_a_port(stack: Stack) -> None:
+def test_deny_rule_protects_a_port(stack: CutStack) -> None:
     stack.start_engine()
     stack.start_agent(
         "--mode", "enforce", env={"KVWATCH_POLICY_DENY_PORTS": str(stack.engine_port)}
@@ -115,7 +115,7 @@ def test_deny_rule_protects_a_port(stack: Stack) -> None:
     assert report.classes["stalled"].reset == 0
 
 
-def test_agent_restart_rebuilds_state_and_still_acts(stack: Stack) -> None:
+def test_agent_restart_rebuilds_state_and_still_acts(stack: CutStack) -> None:
     stack.start_engine()
     first = stack.start_agent("--mode", "observe")
     stalled = stack.spawn_stalled_client()

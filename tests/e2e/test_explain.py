@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import STALL_SECONDS, Stack
-from tests.waiting import wait_for
+from kvwatch.lab.harness.cut_stack import STALL_SECONDS, CutStack
+from kvwatch.lab.waiting import wait_for
 
 pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
 CHAIN = [
@@ -39,7 +39,7 @@ def kvwatch(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_streams_then_explain_of_a_cancelled_request_shows_the_whole_chain(stack: Stack) -> None:
+def test_streams_then_explain_of_a_cancelled_request_shows_the_whole_chain(stack: CutStack) -> None:
     stack.start_engine()
     stack.start_agent("--mode", "enforce")
     client = stack.spawn_stalled_client("held-1")

@@ -21,17 +21,17 @@ from typing import Any
 import httpx
 import pytest
 
-from kvwatch.harness.stack import Service, free_port, wait_until_up
-from tests.e2e.conftest import Stack
-from tests.e2e.tiny_gguf import (
+from kvwatch.lab.asgi_servers import read_all
+from kvwatch.lab.harness.cut_stack import CutStack
+from kvwatch.lab.harness.stack import Service, free_port, wait_until_up
+from kvwatch.lab.tiny_gguf import (
     TinyLlama,
     ascii_forever_bias,
-    require_llama_cpp,
     write_tiny_llama,
 )
-from tests.hook.asgi_servers import read_all
+from kvwatch.lab.waiting import wait_for
+from tests.e2e.llama_required import require_llama_cpp
 from tests.metrics_text import metric_value
-from tests.waiting import wait_for
 
 require_llama_cpp()
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
@@ -152,7 +152,7 @@ class Reader:
 
 
 def joined_row(
-    stack: Stack, request_id: str, states: tuple[str, ...] = (), timeout_seconds: float = 5.0
+    stack: CutStack, request_id: str, states: tuple[str, ...] = (), timeout_seconds: float = 5.0
 ) -> dict[str, Any]:
     """The agent's `streams --json` row for `request_id`, once it has joined it (and the
     row is in one of `states`, when given)."""
@@ -176,7 +176,7 @@ def sse_texts(raw: bytes) -> list[str]:
 
 
 def test_a_stalled_client_is_cancelled_and_the_waiting_request_served(
-    stack: Stack, servers: list[LlamaServer], model_path: Path
+    stack: CutStack, servers: list[LlamaServer], model_path: Path
 ) -> None:
     server = start_llama(servers, model_path, WRAPPED, stack.hook_socket)
     stack.start_agent("--mode", "enforce", "--action", "cancel", port=server.port)
@@ -219,7 +219,7 @@ def test_a_stalled_client_is_cancelled_and_the_waiting_request_served(
 
 
 def test_a_stalled_client_is_detached_and_the_waiting_request_served_before_any_proof(
-    stack: Stack, servers: list[LlamaServer], model_path: Path
+    stack: CutStack, servers: list[LlamaServer], model_path: Path
 ) -> None:
     """A client with the kernel's default receive buffer stops reading a 4000-token answer
     (~1 MB of SSE: more than its buffers hold): the agent detaches its stream ~2 s into the

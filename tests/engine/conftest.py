@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from kvwatch.engine.config import EngineConfig
-from kvwatch.engine.engine import Engine
-from kvwatch.engine.engine_server import EngineServer, attach_hook
-from kvwatch.engine.parking import CopyOut
 from kvwatch.hookwire.protocol import LineFramer, Message, encode
+from kvwatch.lab.engine.config import EngineConfig
+from kvwatch.lab.engine.engine import Engine
+from kvwatch.lab.engine.engine_server import EngineServer, attach_hook
+from kvwatch.lab.engine.parking import CopyOut
 
 STALLED_RCVBUF_BYTES = 4096
 AGENT_WAIT_SECONDS = 10.0

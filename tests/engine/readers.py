@@ -9,9 +9,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwatch.engine.engine import Engine
-from kvwatch.engine.requests import GenerationRequest, RequestHandle
-from tests.waiting import wait_until
+from kvwatch.lab.engine.engine import Engine
+from kvwatch.lab.engine.requests import GenerationRequest, RequestHandle
+from kvwatch.lab.waiting import wait_until
 
 WAIT_SECONDS = 20.0
 _ids = itertools.count()

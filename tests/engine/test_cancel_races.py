@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import pytest
 
-from kvwatch.engine.engine import Engine
-from kvwatch.engine.requests import Completion, GenerationRequest, RequestHandle
 from kvwatch.hookwire.types import CommandOutcome
-from tests.waiting import wait_until
+from kvwatch.lab.engine.engine import Engine
+from kvwatch.lab.engine.requests import Completion, GenerationRequest, RequestHandle
+from kvwatch.lab.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

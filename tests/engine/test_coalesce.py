@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from kvwatch.engine.engine_server import EngineServer
-from tests.hook.http_chunks import ChunkedResponse, without_created
-from tests.waiting import wait_for, wait_until
+from kvwatch.lab.engine.engine_server import EngineServer
+from kvwatch.lab.http_chunks import ChunkedResponse, without_created
+from kvwatch.lab.waiting import wait_for, wait_until
 
 pytestmark = pytest.mark.engine
 

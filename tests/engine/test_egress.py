@@ -15,10 +15,10 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from kvwatch.engine.engine_server import EngineServer
-from kvwatch.engine.metrics import RequestSnapshot
+from kvwatch.lab.engine.engine_server import EngineServer
+from kvwatch.lab.engine.metrics import RequestSnapshot
+from kvwatch.lab.waiting import wait_until
 from tests.engine.conftest import StalledClient
-from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvwatch.engine.engine import Engine
-from kvwatch.engine.engine_server import EngineServer, attach_hook
 from kvwatch.hookwire.protocol import Cancel, Cancelled, Close, EngineInfo, Open, Update
+from kvwatch.lab.engine.engine import Engine
+from kvwatch.lab.engine.engine_server import EngineServer, attach_hook
+from kvwatch.lab.waiting import wait_until
 from kvwatch.sockets import Endpoint
 from tests.engine.conftest import MiniAgent, StalledClient, tiny_config
-from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

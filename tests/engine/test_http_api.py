@@ -11,10 +11,10 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
-from kvwatch.engine.engine_server import EngineServer
-from kvwatch.engine.requests import GenerationRequest
+from kvwatch.lab.engine.engine_server import EngineServer
+from kvwatch.lab.engine.requests import GenerationRequest
+from kvwatch.lab.waiting import wait_for, wait_until
 from tests.engine.conftest import StalledClient
-from tests.waiting import wait_for, wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -14,8 +14,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvwatch.engine.kv_cache import BlockPool, KvCacheInvariantError, KVCacheManager
-from kvwatch.engine.scheduler import Scheduler, SeqStatus, Sequence
+from kvwatch.lab.engine.kv_cache import BlockPool, KvCacheInvariantError, KVCacheManager
+from kvwatch.lab.engine.scheduler import Scheduler, SeqStatus, Sequence
 
 NUM_BLOCKS = 24
 BLOCK_SIZE = 4

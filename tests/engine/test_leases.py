@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvwatch.engine.engine import Engine
-from kvwatch.engine.engine_server import EngineServer, HookLike, attach_hook
 from kvwatch.hook import EngineHook
 from kvwatch.hookwire.types import CommandOutcome
+from kvwatch.lab.agent_thread import HookServerThread
+from kvwatch.lab.engine.engine import Engine
+from kvwatch.lab.engine.engine_server import EngineServer, HookLike, attach_hook
+from kvwatch.lab.waiting import wait_for, wait_until
 from tests.engine.conftest import StalledClient, completion_text, tiny_config
-from tests.hook.agent_thread import HookServerThread
-from tests.waiting import wait_for, wait_until
 
 pytestmark = pytest.mark.engine
 

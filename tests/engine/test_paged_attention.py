@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from kvwatch.engine.attention import PagedAttention, PagedKVStorage, build_paged_batch
-from kvwatch.engine.config import MODEL_SHAPES
-from kvwatch.engine.model import ByteTokenizer, TransformerModel
+from kvwatch.lab.engine.attention import PagedAttention, PagedKVStorage, build_paged_batch
+from kvwatch.lab.engine.config import MODEL_SHAPES
+from kvwatch.lab.engine.model import ByteTokenizer, TransformerModel
 
 pytestmark = pytest.mark.engine
 

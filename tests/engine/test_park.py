@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvwatch.engine.attention import bytes_per_block
-from kvwatch.engine.engine import Engine
+from kvwatch.lab.engine.attention import bytes_per_block
+from kvwatch.lab.engine.engine import Engine
+from kvwatch.lab.waiting import wait_until
 from tests.engine.conftest import tiny_config
 from tests.engine.readers import (
     Reader,
@@ -29,7 +30,6 @@ from tests.engine.readers import (
     submit,
     wait_state,
 )
-from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.engine.engine import Engine
-from kvwatch.engine.engine_server import EngineServer, attach_hook
 from kvwatch.hookwire.protocol import (
     FEATURE_PARK,
     FEATURE_PAUSE,
@@ -27,8 +25,10 @@ from kvwatch.hookwire.protocol import (
     Resumed,
     Update,
 )
+from kvwatch.lab.engine.engine import Engine
+from kvwatch.lab.engine.engine_server import EngineServer, attach_hook
+from kvwatch.lab.waiting import wait_until
 from tests.engine.conftest import MiniAgent, StalledClient, completion_text, tiny_config
-from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

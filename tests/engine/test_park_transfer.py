@@ -20,12 +20,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import torch
 
-from kvwatch.engine.attention import PagedKVStorage
-from kvwatch.engine.engine import Engine
-from kvwatch.engine.transfer import HostKV, KVTransfer
 from kvwatch.hookwire.types import CommandOutcome
+from kvwatch.lab.engine.attention import PagedKVStorage
+from kvwatch.lab.engine.engine import Engine
+from kvwatch.lab.engine.transfer import HostKV, KVTransfer
+from kvwatch.lab.waiting import wait_until
 from tests.engine.readers import Reader, assert_all_free, state_of, submit, wait_state
-from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

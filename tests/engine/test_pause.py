@@ -9,9 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
-from kvwatch.engine.config import EngineConfig
-from kvwatch.engine.engine import Engine
 from kvwatch.errors import ConfigError
+from kvwatch.lab.engine.config import EngineConfig
+from kvwatch.lab.engine.engine import Engine
+from kvwatch.lab.waiting import wait_until
 from tests.engine.readers import (
     Reader,
     assert_all_free,
@@ -20,7 +21,6 @@ from tests.engine.readers import (
     submit,
     wait_state,
 )
-from tests.waiting import wait_until
 
 pytestmark = pytest.mark.engine
 

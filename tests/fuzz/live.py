@@ -20,7 +20,7 @@ from kvwatch.hookwire.protocol import (
     UnsupportedVersionError,
     Update,
 )
-from tests.hook.agent_thread import HookServerThread
+from kvwatch.lab.agent_thread import HookServerThread
 
 # One of these counts goes up for every non-empty line the server reads.
 PER_LINE_COUNTERS = (

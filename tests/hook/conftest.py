@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvwatch.hook import CommandHandler, CommandOutcome, EngineHook
-from tests.hook.agent_thread import HookServerThread
+from kvwatch.lab.agent_thread import HookServerThread
 from tests.hook.hook_agent import ENGINE_INFO, AgentServer
 
 

@@ -13,7 +13,7 @@ from typing import TypeVar
 from kvwatch.errors import ProtocolError
 from kvwatch.hook import EngineInfo
 from kvwatch.hookwire.protocol import LineFramer, Message, encode
-from tests import waiting
+from kvwatch.lab import waiting
 
 WAIT_SECONDS = 5.0
 M = TypeVar("M", bound=Message)
@@ -127,5 +127,5 @@ def of_kind(messages: list[Message], kind: type[M], request_id: str | None = Non
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = WAIT_SECONDS) -> None:
-    """tests.waiting.wait_until with these tests' default timeout, looking every 10 ms."""
+    """kvwatch.lab.waiting.wait_until with these tests' default timeout, looking every 10 ms."""
     waiting.wait_until(predicate, timeout, poll_seconds=0.01)

@@ -12,7 +12,7 @@ import pytest
 
 from kvwatch.errors import ConfigError
 from kvwatch.hook.asgi_coalesce import CoalescedSend, Coalescing, Message
-from tests.waiting import wait_until_async
+from kvwatch.lab.waiting import wait_until_async
 
 WAIT_SECONDS = 5.0
 

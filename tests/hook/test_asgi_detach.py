@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.tiny_gguf import require_llama_cpp, write_tiny_llama
-from tests.hook.agent_thread import HookServerThread
-from tests.hook.asgi_servers import open_client, read_all, read_until
-from tests.hook.http_chunks import dechunked
-from tests.hook.llama_servers import MODEL, llama_completion, serving_llama
-from tests.waiting import wait_for, wait_until
+from kvwatch.lab.agent_thread import HookServerThread
+from kvwatch.lab.asgi_servers import open_client, read_all, read_until
+from kvwatch.lab.http_chunks import dechunked
+from kvwatch.lab.llama_servers import MODEL, llama_completion, serving_llama
+from kvwatch.lab.tiny_gguf import write_tiny_llama
+from kvwatch.lab.waiting import wait_for, wait_until
+from tests.e2e.llama_required import require_llama_cpp
 
 require_llama_cpp()
 pytestmark = pytest.mark.slow

@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvwatch.hook.asgi import Middleware
-from tests.hook.agent_thread import HookServerThread
-from tests.hook.asgi_servers import SseApp, completion_request, open_client, read_all, serving
-from tests.waiting import wait_until
+from kvwatch.lab.agent_thread import HookServerThread
+from kvwatch.lab.asgi_servers import SseApp, completion_request, open_client, read_all, serving
+from kvwatch.lab.waiting import wait_until
 
 SERVERS = ("uvicorn", "hypercorn")
 SNDBUF_BYTES = 64 * 1024

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.harness.stack import Service, free_port, wait_until_up
 from kvwatch.hookwire.protocol import Cancel, Cancelled, Close, EngineInfo, Open, Update
-from tests.e2e.tiny_gguf import TinyLlama, require_llama_cpp, write_tiny_llama
-from tests.hook.asgi_servers import open_client, read_all, read_until
+from kvwatch.lab.asgi_servers import open_client, read_all, read_until
+from kvwatch.lab.harness.stack import Service, free_port, wait_until_up
+from kvwatch.lab.llama_servers import llama_completion
+from kvwatch.lab.tiny_gguf import TinyLlama, write_tiny_llama
+from tests.e2e.llama_required import require_llama_cpp
 from tests.hook.hook_agent import AgentServer, of_kind
 from tests.hook.llama_pinging import PING_SECONDS_ENV
-from tests.hook.llama_servers import llama_completion
 
 require_llama_cpp()
 pytestmark = pytest.mark.slow

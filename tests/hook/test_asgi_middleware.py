@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from kvwatch.hook.asgi import Middleware
 from kvwatch.hook.asgi_kv import prompt_tokens
 from kvwatch.hookwire.protocol import Cancel, Cancelled, Close, EngineInfo, Message, Open, Update
-from tests.hook.asgi_servers import (
+from kvwatch.lab.asgi_servers import (
     PingingSseApp,
     SseApp,
     completion_request,

@@ -16,10 +16,10 @@ import pytest
 
 from kvwatch.hook.asgi import Middleware
 from kvwatch.hookwire.types import CommandOutcome
-from tests.hook.agent_thread import HookServerThread
-from tests.hook.asgi_servers import SseApp, completion_request, serving
-from tests.hook.http_chunks import ChunkedResponse
-from tests.waiting import wait_until
+from kvwatch.lab.agent_thread import HookServerThread
+from kvwatch.lab.asgi_servers import SseApp, completion_request, serving
+from kvwatch.lab.http_chunks import ChunkedResponse
+from kvwatch.lab.waiting import wait_until
 
 WAIT_SECONDS = 20.0
 TOKENS = 300

@@ -16,7 +16,7 @@ from kvwatch.hook import CommandHandler, CommandOutcome, EngineHook, EngineInfo
 from kvwatch.hookserver.hook_server import HookServer
 from kvwatch.hookserver.registry import EngineStream
 from kvwatch.hookwire.protocol import LineFramer, Message, encode
-from tests.waiting import wait_until_async
+from kvwatch.lab.waiting import wait_until_async
 
 WAIT_SECONDS = 5.0
 BYTES_PER_BLOCK = 16384
@@ -35,7 +35,8 @@ def run_async(scenario: Coroutine[Any, Any, None], timeout_seconds: float = 20.0
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_seconds: float = WAIT_SECONDS) -> None:
-    """tests.waiting.wait_until_async with these tests' default timeout, looking every 10 ms."""
+    """kvwatch.lab.waiting.wait_until_async with these tests' default timeout, looking every
+    10 ms."""
     await wait_until_async(predicate, timeout_seconds, poll_seconds=0.01)
 
 

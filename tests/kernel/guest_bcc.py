@@ -24,12 +24,12 @@ from kvwatch.collect.bpf.layout import KvSockRecord
 from kvwatch.collect.bpf.loader import CollectorSettings
 from kvwatch.collect.collectors import auto_backend
 from kvwatch.errors import BpfError
-from kvwatch.harness.scenario import Scenario, ScenarioClient
+from kvwatch.lab.harness.scenario import Scenario, ScenarioClient
+from kvwatch.lab.waiting import wait_for
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.states import StallThresholds, StreamState, classify
 from tests.collect.bpf.conftest import EventLog, differences, record_fields
 from tests.kernel.guest_modes import endpoint_of, server_side
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
 POLICY = StallThresholds(stall_seconds=2.0)

@@ -23,14 +23,14 @@ from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.collect.bpf.loader import BTF_SEND_MODES, SEND_MODES, BpfPrograms, CollectorSettings
 from kvwatch.collect.diag.wire import parse_tcp_info
 from kvwatch.errors import BpfError
-from kvwatch.harness.scenario import Scenario, ScenarioClient, abort
+from kvwatch.lab.harness.scenario import Scenario, ScenarioClient, abort
+from kvwatch.lab.waiting import wait_for
 from kvwatch.sockets import Endpoint, SocketSample
 from kvwatch.streams.states import StallThresholds, StreamState, classify
 from tests.collect.bpf.conftest import EventLog
 from tests.kernel.conftest import libbpf_log
 from tests.kernel.kernel_offers import storage_iterator_refusal
 from tests.kernel.plan import Combo, Offers, best_send_mode, best_tracepoint_mode
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
 POLICY = StallThresholds(stall_seconds=2.0)

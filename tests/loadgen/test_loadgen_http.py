@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvwatch.errors import ConfigError
-from kvwatch.loadgen.http import ResponseError, ResponseParser, SseParser, Target, parse_chunk
+from kvwatch.lab.loadgen.http import ResponseError, ResponseParser, SseParser, Target, parse_chunk
 
 CHUNKED = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvwatch.loadgen import LoadPlan, LoadReport, run_load
+from kvwatch.lab.loadgen import LoadPlan, LoadReport, run_load
 from tests.loadgen.sse_server import Behaviour, SseServer
 
 

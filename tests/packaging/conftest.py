@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvwatch.harness.stack import free_port
+from kvwatch.lab.harness.stack import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))

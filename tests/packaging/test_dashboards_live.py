@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import Stack
+from kvwatch.lab.harness.cut_stack import CutStack
 from tests.packaging.conftest import (
     NVML_PREFIX,
     Prometheus,
@@ -38,7 +38,7 @@ LATE_SERIES_SECONDS = 5.0
 class Live:
     """What the module's one run left to look at."""
 
-    stack: Stack
+    stack: CutStack
     prometheus: Prometheus
     agent_metrics: str
     notify: socket.socket
@@ -76,7 +76,7 @@ class Live:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     workdir = tmp_path_factory.mktemp("live")
-    stack = Stack(workdir)
+    stack = CutStack(workdir)
     prometheus = Prometheus(
         workdir,
         {

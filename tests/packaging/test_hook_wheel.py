@@ -25,9 +25,9 @@ else:  # Python 3.10
 
 import kvwatch
 from kvwatch.hookserver.hook_server import HookServer
+from kvwatch.lab.waiting import wait_until_async
 from scripts import build_hook_wheel
 from tests.packaging.conftest import REPO
-from tests.waiting import wait_until_async
 
 SOURCE = REPO / "agent"
 HOOK_PACKAGE = "kvwatch.hook"

@@ -24,7 +24,6 @@ decision on a stalled client that outlived its request keeps the connection aliv
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -34,15 +33,13 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from kvwatch.harness import demo
-from kvwatch.harness.stack import kvwatch_command
-from kvwatch.loadgen.http import Target, build_request, completion_body
+from kvwatch.lab import waiting
+from kvwatch.lab.harness.cut_stack import CutStack
+from kvwatch.lab.harness.stack import kvwatch_command
+from kvwatch.lab.proxies import PROXIES, Proxy, client, start_proxy, through
+from kvwatch.lab.readers import Reader
 from kvwatch.tools.client import get_json
-from tests import waiting
-from tests.e2e.conftest import Stack
 from tests.metrics_text import metric_value
-from tests.proxy.proxies import PROXIES, Proxy, start_proxy
-from tests.verdicts.readers import Buffer, Reader
 
 pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
 T = TypeVar("T")
@@ -67,12 +64,12 @@ SLOW_READER = 5632
 
 
 @pytest.fixture(params=PROXIES)
-def proxied(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Stack, Proxy]]:
+def proxied(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[CutStack, Proxy]]:
     """The engine behind one proxy; tests marked `small_buffers` get the proxy's small ones
     (for haproxy its upstream receive buffer too: else its kernel buffer, autotuned to
     megabytes, absorbs the whole response, and the request ends on its own before its
     client's stall is proven)."""
-    stack = Stack(tmp_path)
+    stack = CutStack(tmp_path)
     proxy = None
     small = request.node.get_closest_marker("small_buffers") is not None
     bounded = BOUNDED_UPSTREAM_RCVBUF if small and request.param == "haproxy" else 0
@@ -86,43 +83,24 @@ def proxied(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[St
         stack.close()
 
 
-def start_agent(stack: Stack, proxy: Proxy, *args: str) -> None:
+def start_agent(stack: CutStack, proxy: Proxy, *args: str) -> None:
     stack.start_agent("--mode", "enforce", "--port", str(stack.engine_port), *args, port=proxy.port)
     stack.wait_engine_connected()
 
 
-def through(proxy: Proxy, reader: Reader, max_tokens: int, keep_alive: bool = False) -> Reader:
-    """Starts `reader` on a streaming completion through the proxy; X-Request-Id is its name.
-    The request asks the proxy to close the connection after the response, unless
-    `keep_alive`."""
-    body = completion_body("completions", "kvwatch-reference-tiny", demo.PROMPT, max_tokens)
-    request = build_request(
-        Target.parse(f"http://127.0.0.1:{proxy.port}"), "POST", "/v1/completions", body, reader.name
-    )
-    if keep_alive:
-        request = request.replace(b"Connection: close", b"Connection: keep-alive", 1)
-    reader.eof_ends = True
-    reader.connect(socket.socket(), "127.0.0.1", proxy.port, request)
-    return reader
-
-
-def client(name: str, buffer: Buffer, rate: int, read_seconds: float | None = None) -> Reader:
-    return Reader(name, buffer, rate, read_seconds=read_seconds)
-
-
 def wait_for(check: Callable[[], T | None], seconds: float, what: waiting.Description) -> T:
-    """tests.waiting.wait_for, looking every 100 ms: most looks ask the agent's API or read its
-    audit log."""
+    """kvwatch.lab.waiting.wait_for, looking every 100 ms: most looks ask the agent's API or
+    read its audit log."""
     return waiting.wait_for(check, seconds, what, poll_seconds=0.1)
 
 
-def stream_row(stack: Stack, local: str) -> dict[str, Any] | None:
+def stream_row(stack: CutStack, local: str) -> dict[str, Any] | None:
     """The agent's row for the proxy's client socket whose peer is `local` (the client)."""
     rows: list[dict[str, Any]] = get_json(stack.agent_url, "/api/v1/streams")
     return next((row for row in rows if row["remote"] == local), None)
 
 
-def decisions_said(stack: Stack) -> str:
+def decisions_said(stack: CutStack) -> str:
     """Each decision so far, with its relay link's account, for a failure message."""
     said = []
     for decision in stack.audit_entries("decision"):
@@ -140,7 +118,7 @@ def finished_cleanly(reader: Reader) -> bool:
 
 @pytest.mark.small_buffers
 def test_a_stalled_client_is_cancelled_reset_and_counted_and_live_ones_are_not_touched(
-    proxied: tuple[Stack, Proxy],
+    proxied: tuple[CutStack, Proxy],
 ) -> None:
     stack, proxy = proxied
     start_agent(stack, proxy)
@@ -194,7 +172,7 @@ def test_a_stalled_client_is_cancelled_reset_and_counted_and_live_ones_are_not_t
 
 
 def test_default_buffers_a_request_that_finished_into_them_is_left_alone(
-    proxied: tuple[Stack, Proxy],
+    proxied: tuple[CutStack, Proxy],
 ) -> None:
     """The proxy's and the kernel's default buffers absorb the whole response: the engine
     finishes and frees the KV on its own. Even with reset configured, the stalled client is
@@ -226,7 +204,7 @@ def test_default_buffers_a_request_that_finished_into_them_is_left_alone(
 
 
 def test_a_client_stalled_on_an_earlier_request_does_not_inherit_the_next(
-    proxied: tuple[Stack, Proxy],
+    proxied: tuple[CutStack, Proxy],
 ) -> None:
     """One request finishes into a stalled client's buffers (a kept-alive client connection,
     so the proxy keeps its socket); the upstream connection it came on is kept alive and may
@@ -272,10 +250,10 @@ def test_a_client_stalled_on_an_earlier_request_does_not_inherit_the_next(
 
 
 @pytest.fixture
-def bounded_haproxy(tmp_path: Path) -> Iterator[tuple[Stack, Proxy]]:
+def bounded_haproxy(tmp_path: Path) -> Iterator[tuple[CutStack, Proxy]]:
     """The engine behind haproxy with bounded buffers: its upstream receive buffer and its
     client send buffer."""
-    stack = Stack(tmp_path)
+    stack = CutStack(tmp_path)
     proxy = None
     try:
         stack.start_engine()
@@ -290,7 +268,7 @@ def bounded_haproxy(tmp_path: Path) -> Iterator[tuple[Stack, Proxy]]:
 
 
 def test_a_slow_live_reader_behind_haproxy_is_never_cut_for_the_engines_stall(
-    bounded_haproxy: tuple[Stack, Proxy],
+    bounded_haproxy: tuple[CutStack, Proxy],
 ) -> None:
     """Issue 21, part 3: the end client reads 5.5 KB/s, above the reader guarantee, through a
     64 KB buffer. The engine's own socket sees only haproxy's few KB of upstream buffer and is
@@ -319,7 +297,7 @@ def test_a_slow_live_reader_behind_haproxy_is_never_cut_for_the_engines_stall(
 
 
 def test_slow_readers_a_proxy_closed_on_while_its_kernel_drains_are_never_cut(
-    proxied: tuple[Stack, Proxy],
+    proxied: tuple[CutStack, Proxy],
 ) -> None:
     """Issue 21's false "silence": the engine finishes within seconds, the proxy closes its
     client sockets with tens of KB still queued, and its kernel sends the rest at the
@@ -351,7 +329,7 @@ def test_slow_readers_a_proxy_closed_on_while_its_kernel_drains_are_never_cut(
 
 
 def test_behind_haproxy_the_engines_own_socket_is_parked_and_a_live_reader_resumes(
-    bounded_haproxy: tuple[Stack, Proxy],
+    bounded_haproxy: tuple[CutStack, Proxy],
 ) -> None:
     """Issue 23: behind a proxy the engine cannot see its client, but its own socket backs up
     once the proxy's buffers are full, and that back-pressure is what pins the KV: the agent

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 
 from kvwatch.collect.diag.snapshot import DiagClient
-from kvwatch.harness.stack import free_port
+from kvwatch.lab.harness.cut_stack import CutStack
+from kvwatch.lab.harness.stack import free_port
+from kvwatch.lab.readers import Reader
 from kvwatch.sockets import Endpoint
 from kvwatch.tools.client import get_json
-from tests.e2e.conftest import Stack
 from tests.proxy.test_behind_a_proxy import wait_for
-from tests.verdicts.readers import Reader
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
@@ -66,7 +66,7 @@ def socket_pair(port: int) -> Iterator[tuple[socket.socket, Reader]]:
         source.close()
 
 
-def fed_row(stack: Stack, client: str) -> dict[str, Any] | None:
+def fed_row(stack: CutStack, client: str) -> dict[str, Any] | None:
     """The agent's row for the server's socket to `client`, once the kernel paired it."""
     rows: list[dict[str, Any]] = get_json(stack.agent_url, "/api/v1/streams")
     return next((r for r in rows if r["remote"] == client and r["feeder"] is not None), None)
@@ -75,7 +75,7 @@ def fed_row(stack: Stack, client: str) -> dict[str, Any] | None:
 def test_a_server_thread_that_reads_one_client_and_writes_another_is_no_relay(
     tmp_path: Path, crossfeed: int
 ) -> None:
-    stack = Stack(tmp_path)
+    stack = CutStack(tmp_path)
     try:
         stack.start_agent(port=crossfeed)
         with socket_pair(crossfeed) as (source, sink):

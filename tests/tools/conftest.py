@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.conftest import Stack
+from kvwatch.lab.harness.cut_stack import CutStack
 
 KVWATCH = [sys.executable, "-m", "kvwatch.cli"]
 STALLED_REQUEST = "cmpl-held-1"
@@ -42,11 +42,11 @@ def wait_until_stalled(agent_url: str, request_id: str, timeout_seconds: float =
 
 
 @pytest.fixture(scope="package")
-def stalled_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stalled_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CutStack]:
     """An engine and an agent (observe mode) with one client that stopped reading,
     already `stalled` in the agent's view. Shared by the top and doctor tests, stopped when
     the tests of this package are done."""
-    stack = Stack(tmp_path_factory.mktemp("stack"))
+    stack = CutStack(tmp_path_factory.mktemp("stack"))
     try:
         stack.start_engine()
         stack.start_agent()

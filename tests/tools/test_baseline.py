@@ -52,7 +52,7 @@ CGROUP_HYBRID = "12:memory:/engine\n4:cpu,cpuacct:/engine\n1:name=systemd:/x\n0:
 NETNS_SESSION = """
 import subprocess, sys, time
 from pathlib import Path
-from kvwatch.harness.scenario import Scenario
+from kvwatch.lab.harness.scenario import Scenario
 a, b = sys.argv[1:3]
 kvwatch = [sys.executable, "-m", "kvwatch.cli", "baseline"]
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)

@@ -12,7 +12,8 @@ import pytest
 
 from kvwatch.collect.bpf.loader import tracepoint_mode_for_kernel
 from kvwatch.collect.gpu import GpuInventory
-from kvwatch.harness.stack import free_port
+from kvwatch.lab.harness.cut_stack import CutStack
+from kvwatch.lab.harness.stack import free_port
 from kvwatch.tools.baseline import read_sysctl
 from kvwatch.tools.doctor import (
     check_daemon,
@@ -26,7 +27,6 @@ from kvwatch.tools.doctor import (
     who_can_connect,
 )
 from tests.collect.conftest import GIB, FakeGpu, FakeNvml
-from tests.e2e.conftest import Stack
 from tests.fuzz.servers import garbage_server
 from tests.tools.conftest import kvwatch
 
@@ -63,7 +63,7 @@ def test_doctor_on_this_node_without_a_daemon(tmp_path: Path) -> None:
 
 @pytest.mark.bpf
 @pytest.mark.engine
-def test_doctor_sees_the_running_daemon_and_its_engine(stalled_stack: Stack) -> None:
+def test_doctor_sees_the_running_daemon_and_its_engine(stalled_stack: CutStack) -> None:
     code, checks = checks_of(
         "--url", stalled_stack.agent_url, "--hook-socket", str(stalled_stack.hook_socket)
     )

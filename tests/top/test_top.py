@@ -9,12 +9,12 @@ import httpx
 import pytest
 from rich.console import Console
 
-from kvwatch.harness.scenario import Scenario
+from kvwatch.lab.harness.cut_stack import CutStack
+from kvwatch.lab.harness.scenario import Scenario
 from kvwatch.tools.tables import human_bytes
 from kvwatch.top.keys import KEYS_HELP, Controls
 from kvwatch.top.model import CancelRate, Frame, Header, RowFilter, parse_metrics
 from kvwatch.top.render import COLUMNS, render_frame
-from tests.e2e.conftest import Stack
 from tests.tools.conftest import KVWATCH, STALLED_REQUEST, kvwatch
 from tests.top.conftest import Terminal
 
@@ -26,7 +26,7 @@ def row_line(screen: str, needle: str) -> str:
 @pytest.mark.bpf
 @pytest.mark.engine
 def test_top_on_a_terminal_shows_the_stalled_stream_and_obeys_keys(
-    stalled_stack: Stack, terminal: Terminal
+    stalled_stack: CutStack, terminal: Terminal
 ) -> None:
     terminal.start([*KVWATCH, "top", "--url", stalled_stack.agent_url, "--interval", "0.5"])
     screen = terminal.wait_for(STALLED_REQUEST)
@@ -60,7 +60,7 @@ def test_top_on_a_terminal_shows_the_stalled_stream_and_obeys_keys(
 
 @pytest.mark.bpf
 @pytest.mark.engine
-def test_top_once_piped_is_plain_text_that_fits(stalled_stack: Stack) -> None:
+def test_top_once_piped_is_plain_text_that_fits(stalled_stack: CutStack) -> None:
     result = kvwatch("top", "--url", stalled_stack.agent_url, "--once", "--state", "stalled")
     assert result.returncode == 0, result.stderr
     assert "\x1b" not in result.stdout

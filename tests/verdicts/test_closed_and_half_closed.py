@@ -14,12 +14,11 @@ from collections.abc import Callable
 import pytest
 
 from kvwatch.config.schema import DEFAULT_MIN_READER_BYTES_PER_SECOND
-from tests.waiting import wait_until
-
-from .conftest import Agent, Lab
-from .netlab import Link
-from .readers import Reader
-from .token_server import EVENT
+from kvwatch.lab.labs import Agent, Lab
+from kvwatch.lab.netlab import Link
+from kvwatch.lab.readers import Reader
+from kvwatch.lab.token_server import EVENT
+from kvwatch.lab.waiting import wait_until
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 # Across the veth link as it is, and with 50 ms of RTT and 1% loss each way.

@@ -16,9 +16,9 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from .conftest import SERVER_PORT, Agent, Lab
-from .netlab import Link
-from .readers import Reader
+from kvwatch.lab.labs import SERVER_PORT, Agent, Lab
+from kvwatch.lab.netlab import Link
+from kvwatch.lab.readers import Reader
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 

@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 
-from tests.waiting import wait_for
-
-from .conftest import SERVER_PORT, Agent, Lab
-from .netlab import Link
-from .readers import Reader
+from kvwatch.lab.labs import SERVER_PORT, Agent, Lab
+from kvwatch.lab.netlab import Link
+from kvwatch.lab.readers import Reader
+from kvwatch.lab.waiting import wait_for
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 

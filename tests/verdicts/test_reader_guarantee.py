@@ -13,10 +13,9 @@ from typing import Any
 import pytest
 
 from kvwatch.config.schema import DEFAULT_MIN_READER_BYTES_PER_SECOND
-
-from .conftest import SERVER_BYTES_PER_SECOND, Agent, Lab
-from .netlab import Link
-from .readers import Buffer, Reader
+from kvwatch.lab.labs import SERVER_BYTES_PER_SECOND, Agent, Lab
+from kvwatch.lab.netlab import Link
+from kvwatch.lab.readers import Buffer, Reader
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 

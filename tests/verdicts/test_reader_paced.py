@@ -15,14 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.waiting import wait_until
+from kvwatch.lab.labs import SERVER_PORT, Agent, EngineLab, Stream, parse_stream
+from kvwatch.lab.netlab import Link
+from kvwatch.lab.readers import Reader
+from kvwatch.lab.waiting import wait_until
 
-from .conftest import SERVER_PORT, Agent
-from .engine_lab import EngineLab, Stream, engine_lab, parse_stream
-from .netlab import Link
-from .readers import Reader
-
-__all__ = ["engine_lab"]  # the fixture
 pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
 PAUSE_SECONDS = 2.0
 PARK_SECONDS = 2.0

@@ -36,8 +36,7 @@ from bench.visibility_lab import (
     run_cases,
     stop_case,
 )
-
-from .netlab import Link
+from kvwatch.lab.netlab import Link
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ import pytest
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.collect.bpf.layout import KvSockRecord
 from kvwatch.collect.bpf.loader import CollectorSettings
-from kvwatch.harness.scenario import Scenario
+from kvwatch.lab.harness.scenario import Scenario
+from kvwatch.lab.waiting import wait_for
 from kvwatch.sockets import SocketSample
-from tests.waiting import wait_for
 
 # Two programs on an attach point run one after the other and read the clock separately; under
 # software emulation milliseconds can pass between them.

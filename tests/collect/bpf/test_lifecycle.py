@@ -13,9 +13,9 @@ import pytest
 
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
 from kvwatch.collect.diag.snapshot import take_snapshot
-from kvwatch.harness.scenario import Scenario
+from kvwatch.lab.harness.scenario import Scenario
+from kvwatch.lab.waiting import wait_for
 from tests.collect.bpf.conftest import EventLog, in_zero_window, server_side, wait_for_server_side
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
 

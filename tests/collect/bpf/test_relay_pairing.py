@@ -14,8 +14,8 @@ from contextlib import ExitStack
 import pytest
 
 from kvwatch.collect.bpf.collector import BpfCollector
+from kvwatch.lab.waiting import wait_for
 from kvwatch.sockets import Endpoint, SocketSample
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
 

@@ -19,7 +19,8 @@ from kvwatch.collect.bpf.collector import BpfCollector, record_to_sample
 from kvwatch.collect.bpf.layout import KvSockRecord
 from kvwatch.collect.bpf.loader import CollectorSettings
 from kvwatch.errors import BpfError
-from kvwatch.harness.scenario import Scenario
+from kvwatch.lab.harness.scenario import Scenario
+from kvwatch.lab.waiting import wait_for
 from kvwatch.streams.states import StallThresholds
 from kvwatch.streams.view import socket_json
 from tests.collect.bpf.conftest import (
@@ -30,7 +31,6 @@ from tests.collect.bpf.conftest import (
     records_by_key,
     wait_for_server_side,
 )
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
 SETTLE_SECONDS = 5.0

@@ -11,11 +11,11 @@ from collections.abc import Callable
 import pytest
 
 from kvwatch.collect.bpf.collector import BpfCollector, SocketEvent
-from kvwatch.harness.scenario import Scenario
+from kvwatch.lab.harness.scenario import Scenario
+from kvwatch.lab.waiting import wait_for
 from kvwatch.sockets import SocketSample
 from kvwatch.streams.states import StallThresholds, StreamState, classify
 from tests.collect.bpf.conftest import EventLog, in_zero_window, server_side, wait_for_server_side
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.bpf
 POLICY = StallThresholds(stall_seconds=3.0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvwatch.collect.diag import DestroyResult, DiagClient, destroy_socket
-from tests.waiting import wait_until
+from kvwatch.lab.waiting import wait_until
 
 from .conftest import SMALL_RCVBUF_BYTES, PairFactory, TcpPair, wait_for_entry
 

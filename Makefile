@@ -77,9 +77,11 @@ clean:
 # The vLLM integration (integrations/vllm, docs/engines.md): its own venv, .venv-vllm, with the
 # pinned vLLM (never the project's .venv: vLLM pins its own torch), and its own tests. About
 # 8 minutes and 9.5 GB the first time; seconds after that (the hook wheel is rebuilt each run).
+# The agent-driven test runs `kvwatch run` from the project's venv (and BPF: root), hence
+# `setup`; then about 2 minutes (docs/engines.md, "Measured").
 .PHONY: setup-vllm test-vllm
 setup-vllm:
 	bash scripts/setup_vllm.sh
 
-test-vllm: setup-vllm
+test-vllm: setup setup-vllm
 	cd integrations/vllm && ../../.venv-vllm/bin/python -m pytest -ra $(PYTEST_ARGS)

@@ -11,7 +11,9 @@ becomes `http.disconnect` for the app (its own abort path frees the KV), then a 
 `detach` sends the rest of that response through a bounded host buffer, so the app's
 generator runs to its end whatever its client reads; a `pause` holds the app's next send
 until a `release` (kvwatch.hook.asgi_pause). After its first token a response's body is
-written coalesced (kvwatch.hook.asgi_coalesce).
+written coalesced (kvwatch.hook.asgi_coalesce). An engine that can hold a request in its own
+scheduler gives the middleware its handlers (`EngineHandlers`): the hook then runs the
+engine's pause, release and park instead of the HTTP-side pause (kvwatch_vllm does).
 Settings come from keyword arguments or, for `--middleware` (which passes none), from the
 environment: KVWATCH_ENGINE_SOCKET, KVWATCH_KV_BYTES_PER_TOKEN, KVWATCH_EGRESS_BUFFER_BYTES
 (every response buffered; 0, the default, keeps egress coupled), KVWATCH_DETACH_BUFFER_BYTES
@@ -30,6 +32,7 @@ import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from kvwatch.errors import ConfigError
@@ -40,7 +43,7 @@ from kvwatch.hook.asgi_kv import KvGeometry, detect
 from kvwatch.hook.asgi_stream import Message, Receive, RequestStream, Scope, Send, header
 from kvwatch.hook.engine_hook import EngineHook
 from kvwatch.hookwire.protocol import EngineInfo
-from kvwatch.hookwire.types import CommandOutcome
+from kvwatch.hookwire.types import CommandHandler, CommandOutcome
 
 BYTES_PER_TOKEN_ENV = "KVWATCH_KV_BYTES_PER_TOKEN"
 EGRESS_BUFFER_ENV = "KVWATCH_EGRESS_BUFFER_BYTES"
@@ -60,6 +63,28 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 _log = logging.getLogger("kvwatch.hook.asgi")
 
 
+@dataclass(frozen=True)
+class EngineHandlers:
+    """An engine's own hold commands, for an engine that can pause (and park) a request in its
+    scheduler: the hook runs these instead of the middleware's HTTP-side pause and release.
+
+    Each is an `EngineHook` command handler: called on a hook worker thread with the id the
+    stream was announced under and the agent's reason, it answers a `CommandOutcome` with
+    the protocol's statuses (docs/protocol.md, "Pause and release", "Park and resume"); the
+    hook's own releases (a lease that ran out, the agent gone) come to `release` too. `pause`
+    and `release` are the protocol's "pause" feature and come together; `park` (optional,
+    the "park" feature) needs them, since a release is what brings a parked request back, and
+    the pause of a parked request (the agent's lease renewal) must answer "paused". `engine`
+    names the engine in the hello (None: the name the middleware detects). Cancel and detach
+    stay the middleware's.
+    """
+
+    pause: CommandHandler
+    release: CommandHandler
+    park: CommandHandler | None = None
+    engine: str | None = None
+
+
 class Middleware:
     """Wraps an ASGI app; one engine hook (and agent connection) per process, started at the
     first HTTP request, when the engine's configuration can be read from the app.
@@ -69,6 +94,10 @@ class Middleware:
     request (the hook never blocks); buffered egress (every response, `egress_buffer_bytes`
     each, or those the agent detached, `detach_buffer_bytes` each) holds at most
     `egress_total_bytes` over all streams (a single larger message excepted).
+
+    `engine_handlers` (EngineHandlers) is the extension point for an engine that holds
+    requests itself: a subclass passes its handlers to `__init__` (vLLM's `--middleware`
+    builds the class with the app alone). Without them, a pause holds the app's next send.
     """
 
     def __init__(
@@ -84,8 +113,10 @@ class Middleware:
         coalesce_ms: int | None = None,
         cancel_timeout_seconds: float = CANCEL_TIMEOUT_SECONDS,
         reconnect_seconds: float = 1.0,
+        engine_handlers: EngineHandlers | None = None,
     ) -> None:
         self.app = app
+        self._engine_handlers = engine_handlers
         self._socket_path = socket_path
         self._bytes_per_token = _setting(bytes_per_token, BYTES_PER_TOKEN_ENV, 0)
         total_bytes = _setting(egress_total_bytes, EGRESS_TOTAL_ENV, DEFAULT_EGRESS_TOTAL_BYTES)
@@ -173,8 +204,9 @@ class Middleware:
         with self._lock:
             if self.hook is None or self._geometry is None:
                 geometry = detect(scope.get("app", self.app), self._bytes_per_token)
+                engine = self._engine_handlers
                 info = EngineInfo(
-                    engine=geometry.engine,
+                    engine=(engine.engine if engine else None) or geometry.engine,
                     model=geometry.model,
                     pid=os.getpid(),
                     bytes_per_block=geometry.bytes_per_block,
@@ -186,14 +218,20 @@ class Middleware:
                     self._cancel,
                     self._socket_path,
                     detach_handler=self._detach if self._egress.detach_bytes else None,
-                    pause_handler=self._pause,
-                    release_handler=self._release,
+                    pause_handler=engine.pause if engine else self._pause,
+                    release_handler=engine.release if engine else self._release,
+                    park_handler=engine.park if engine else None,
                     cancel_timeout_seconds=self._cancel_timeout_seconds,
                     reconnect_seconds=self._reconnect_seconds,
                 )
                 self.hook.start()
                 self._geometry = geometry
-                _log.info("kvwatch hook for %s (%s); KV is estimated", info.engine, info.model)
+                _log.info(
+                    "kvwatch hook for %s (%s); KV is estimated; %s",
+                    info.engine,
+                    info.model,
+                    "the engine pauses and parks" if engine else "pauses hold the app's sends",
+                )
             return self.hook, self._geometry
 
     def _connection(self, scope: Scope) -> Connection | None:

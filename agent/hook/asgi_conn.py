@@ -7,7 +7,9 @@ task whose coroutine is `RequestResponseCycle.run_asgi(self, ...)` with `self.tr
 hypercorn runs `_handle(app, ..., send, ...)` where `send` leads, through bound methods, to the
 `TCPServer` whose `writer.transport` is the connection. `find_transport` walks from the current
 task's coroutines along those few attribute names, so it survives middleware that wrap
-`send` (Starlette's ServerErrorMiddleware) and any other server built the same way.
+`send` (Starlette's ServerErrorMiddleware) and any other server built the same way. A
+transport is an `asyncio.BaseTransport` or an object with its methods: uvloop's transports
+(vLLM serves on uvloop) do not derive from it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 # Attributes that lead from a server's request object towards its transport.
 _LINKS = ("transport", "_transport", "writer", "send", "_send", "__self__")
 _MAX_DEPTH = 6
+# What a transport that does not derive from asyncio.BaseTransport must have to be taken as one.
+_TRANSPORT_METHODS = ("get_extra_info", "is_closing", "abort", "write")
 _MAX_COROUTINES = 32
 
 
@@ -100,9 +104,16 @@ def _frames(coro: Any) -> list[FrameType]:
     return frames
 
 
-def _search(value: Any, depth: int, seen: set[int]) -> asyncio.BaseTransport | None:
+def _is_transport(value: Any) -> bool:
     if isinstance(value, asyncio.BaseTransport):
-        return value
+        return True
+    return all(callable(getattr(type(value), name, None)) for name in _TRANSPORT_METHODS)
+
+
+def _search(value: Any, depth: int, seen: set[int]) -> asyncio.BaseTransport | None:
+    if _is_transport(value):
+        transport: asyncio.BaseTransport = value
+        return transport
     if isinstance(value, asyncio.StreamWriter):
         return value.transport
     if depth == 0 or id(value) in seen or isinstance(value, str | bytes | int | float | dict):

@@ -4,17 +4,19 @@ hypercorn), kvwatch's real HookServer as the agent, real TCP clients. Paused, th
 generator is no longer pulled; released (by the agent, or by the hook when the lease runs
 out) the client gets byte for byte what the bare app sends; a cancel, the client going away
 and a detach each end a pause. Coalesced, the body is the bare app's in fewer, bounded
-writes."""
+writes. An engine's own handlers (kvwatch.hook.asgi.EngineHandlers) replace the HTTP-side
+pause: the hook runs them, the hook's own releases included, and the app's sends flow."""
 
 from __future__ import annotations
 
 import socket
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-from kvwatch.hook.asgi import Middleware
+from kvwatch.hook.asgi import EngineHandlers, Middleware
 from kvwatch.hookwire.types import CommandOutcome
 from kvwatch.lab.agent_thread import HookServerThread
 from kvwatch.lab.asgi_servers import SseApp, completion_request, serving
@@ -31,7 +33,7 @@ HELD_MS = 60_000  # a lease that does not run out during a test
 def middlewares(socket_path: str) -> Iterator[Callable[..., Middleware]]:
     built: list[Middleware] = []
 
-    def build(app: SseApp, **options: int) -> Middleware:
+    def build(app: SseApp, **options: Any) -> Middleware:
         middleware = Middleware(
             app.app, socket_path=socket_path, bytes_per_token=1000, reconnect_seconds=0.2, **options
         )
@@ -177,3 +179,63 @@ def test_coalesced_writes_carry_the_bare_bytes_in_bounded_chunks(
     assert coalesced.chunks[0].count(b"data: ") == 1  # the first token, written at once
     assert max(len(chunk) for chunk in coalesced.chunks) < 1024 + event_bytes
     assert len(coalesced.chunks) < len(one_per_send.chunks) / 3
+
+
+class EngineHolds:
+    """An engine's own hold handlers that record each call (command, request id, reason) and
+    answer as an engine that did what was asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str]] = []
+
+    def handler(self, command: str, status: str) -> Callable[[str, str], CommandOutcome]:
+        def run(request_id: str, reason: str) -> CommandOutcome:
+            self.calls.append((command, request_id, reason))
+            return CommandOutcome(request_id, status, 0, 0)
+
+        return run
+
+    def handlers(self, *, park: bool) -> EngineHandlers:
+        return EngineHandlers(
+            pause=self.handler("pause", "paused"),
+            release=self.handler("release", "released"),
+            park=self.handler("park", "parked") if park else None,
+            engine="held-engine",
+        )
+
+
+@pytest.mark.parametrize("park", [True, False], ids=["with-park", "without-park"])
+def test_an_engine_s_own_handlers_replace_the_http_side_pause(
+    park: bool, hook_server: HookServerThread, middlewares: Callable[..., Middleware]
+) -> None:
+    expected = bare_body("uvicorn", "e")
+    app, engine = SseApp(pause=0.005), EngineHolds()
+    with serving("uvicorn", middlewares(app, engine_handlers=engine.handlers(park=park))) as server:
+        response = stream(server.port, "e")
+        announced(hook_server, "cmpl-e")
+        (hello,) = hook_server.server.engines()
+        features = hello["features"]
+        assert hello["engine"] == "held-engine"
+        assert isinstance(features, list) and {"pause", "detach"} <= set(features)
+        assert ("park" in features) == park
+
+        assert command(hook_server, "pause", "cmpl-e", HELD_MS).status == "paused"
+        yielded = app.yielded["cmpl-e"]
+        time.sleep(0.3)  # deliberate: the engine holds the request, the middleware holds nothing
+        assert app.yielded["cmpl-e"] > yielded + 10
+        if park:
+            assert command(hook_server, "park", "cmpl-e", HELD_MS).status == "parked"
+        assert command(hook_server, "pause", "cmpl-e", lease_ms=200).status == "paused"
+        wait_until(
+            lambda: ("release", "cmpl-e", "lease_expired") in engine.calls,
+            WAIT_SECONDS,
+            "the hook's release at the lease's end",
+        )
+        body = whole(response)
+    assert body == expected
+    held = [("pause", "cmpl-e"), ("park", "cmpl-e")] if park else [("pause", "cmpl-e")]
+    assert [call[:2] for call in engine.calls] == [
+        *held,
+        ("pause", "cmpl-e"),
+        ("release", "cmpl-e"),
+    ]

@@ -21,6 +21,8 @@ from kvwatch_vllm.holds import RequestHolds
 from kvwatch_vllm.outcome import COMMANDS, FAILED, PARK, PAUSE, RESUME, HoldResult
 
 SCHEDULER_FLAG = "--scheduler-cls kvwatch_vllm.scheduler.KvwatchAsyncScheduler"
+# How many of the requests that ended last `kvwatch_kv_state` reports.
+RECENTLY_ENDED = 16
 
 
 def kvwatch_hold(engine_core: EngineCore, command: str, request_ids: list[str]) -> list[Any]:
@@ -48,8 +50,10 @@ def kvwatch_hold(engine_core: EngineCore, command: str, request_ids: list[str]) 
 
 def kvwatch_kv_state(engine_core: EngineCore, request_ids: list[str]) -> dict[str, Any]:
     """The free block count, the held requests, and the blocks each of `request_ids` holds
-    and the tokens it has produced: what an operator (or a test) reads to see what a command
-    did."""
+    and the tokens it has produced, the blocks of every live request (`live_blocks`), all read
+    between the same two steps, and how the last RECENTLY_ENDED requests ended (`ended`: an
+    aborted one says FINISHED_ABORTED, which vLLM's metrics do not count): what an operator (or
+    a test) reads to see what a command did."""
     scheduler = engine_core.scheduler
     if not isinstance(scheduler, RequestHolds):
         return {"error": f"this engine runs {type(scheduler).__name__}, not kvwatch's scheduler"}
@@ -65,6 +69,8 @@ def kvwatch_kv_state(engine_core: EngineCore, request_ids: list[str]) -> dict[st
             if rid in scheduler.requests
         },
         "live": sorted(scheduler.requests),
+        "live_blocks": {rid: scheduler.request_block_count(rid) for rid in scheduler.requests},
+        "ended": scheduler.recently_ended(RECENTLY_ENDED),
     }
 
 

@@ -83,6 +83,10 @@ class EndedRequests:
     def get(self, request_id: str) -> str | None:
         return self._ended.get(request_id)
 
+    def last(self, count: int) -> dict[str, str]:
+        """The `count` requests that ended last, oldest first, with how they ended."""
+        return dict(list(self._ended.items())[-count:]) if count > 0 else {}
+
 
 class RequestHolds(Scheduler):
     """vLLM's scheduler with public pause, park and resume of one request by its vLLM id
@@ -106,7 +110,8 @@ class RequestHolds(Scheduler):
     # ---- the public commands ----
 
     def pause_request(self, request_id: str) -> HoldResult:
-        """Stop scheduling the request; it keeps its KV blocks and its running slot."""
+        """Stop scheduling the request; it keeps its KV blocks and its running slot. A parked
+        request stays parked (answered paused: the agent renews a hold's lease with a pause)."""
         return self._guarded(PAUSE, request_id, self._pause)
 
     def park_request(self, request_id: str) -> HoldResult:
@@ -120,6 +125,11 @@ class RequestHolds(Scheduler):
     def held_requests(self) -> dict[str, str]:
         """Each held request's vLLM id and state ("paused" or "parked")."""
         return {request_id: hold.state for request_id, hold in self._holds.items()}
+
+    def recently_ended(self, count: int) -> dict[str, str]:
+        """The vLLM ids of the `count` requests that ended last and how each ended, e.g.
+        "finished (length)" or "ended (FINISHED_ABORTED)" (an abort: a cancel, a client gone)."""
+        return self._ended.last(count)
 
     def free_block_count(self) -> int:
         """Blocks in vLLM's free pool now (cached-but-free blocks included)."""
@@ -169,10 +179,8 @@ class RequestHolds(Scheduler):
         hold = self._holds.get(request_id)
         if hold is not None and hold.state == PAUSED:
             return HoldResult(request_id, PAUSE, PAUSED, detail="already paused")
-        if hold is not None:
-            return HoldResult(
-                request_id, PAUSE, DECLINED, detail="parked: it holds no KV; resume it first"
-            )
+        if hold is not None:  # the agent renews a park's lease with a pause (docs/protocol.md)
+            return HoldResult(request_id, PAUSE, PAUSED, detail="parked: it stays parked")
         if request.status != RequestStatus.RUNNING or request not in self.running:
             return HoldResult(
                 request_id,

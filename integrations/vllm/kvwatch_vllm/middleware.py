@@ -15,23 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import logging
 import os
 import threading
 from collections import Counter
 from typing import Any
 
-from kvwatch.hook.asgi import ASGIApp
+from kvwatch.hook.asgi import ASGIApp, EngineHandlers
 from kvwatch.hook.asgi import Middleware as AsgiMiddleware
-from kvwatch.hook.asgi_kv import KvGeometry, detect
 from kvwatch.hook.asgi_stream import Receive, Scope, Send, header
-from kvwatch.hook.engine_hook import EngineHook
-from kvwatch.hookwire.protocol import EngineInfo
-from kvwatch_vllm.commands import EngineCommands
+from kvwatch.hookwire.types import CommandOutcome
+from kvwatch_vllm.commands import EngineCommands, EngineUnreachableError
 from kvwatch_vllm.control import CONTROL_SOCKET_ENV, ControlServer
 from kvwatch_vllm.dispatch import Dispatch
-from kvwatch_vllm.outcome import PARK, PAUSE, RESUME
+from kvwatch_vllm.outcome import PARK, PARKED, PAUSE, RESUME
 
 COMMAND_TIMEOUT_ENV = "KVWATCH_VLLM_COMMAND_TIMEOUT"
 DEFAULT_COMMAND_TIMEOUT_SECONDS = 4.0  # under the hook's 5 s command timeout
@@ -41,19 +38,16 @@ _log = logging.getLogger("kvwatch_vllm")
 
 
 class Middleware(AsgiMiddleware):  # type: ignore[misc]  # kvwatch-hook ships no py.typed
-    """The generic middleware, whose engine hook also runs pause, park and release through
-    `dispatch` (one `Dispatch` per process), and whose hello says "vllm" with vLLM's real
-    KV geometry when the app's config can be read.
+    """The generic middleware, given vLLM's pause, park and release as its engine handlers
+    (`dispatch`, one `Dispatch` per process: kvwatch.hook.asgi.EngineHandlers), so its hello
+    says "vllm" and offers pause and park, with vLLM's real KV geometry when the app's config
+    can be read.
 
     Invariant: `dispatch` answers for any id; a stream is "live" from its announcement (its
     first token) to its close, and its vLLM requests are found by the id it was announced
     under (kvwatch_vllm.ids)."""
 
-    hook: EngineHook | None
-    _geometry: KvGeometry | None
-
     def __init__(self, app: ASGIApp, **kwargs: Any) -> None:
-        super().__init__(app, **kwargs)
         self._command_timeout_seconds = float(
             os.environ.get(COMMAND_TIMEOUT_ENV, DEFAULT_COMMAND_TIMEOUT_SECONDS)
         )
@@ -62,6 +56,13 @@ class Middleware(AsgiMiddleware):  # type: ignore[misc]  # kvwatch-hook ships no
         self._engine_lock = threading.Lock()
         self.dispatch = Dispatch(lambda: self._engine, self._announced_from_header)
         self.control: ControlServer | None = None
+        handlers = EngineHandlers(
+            pause=self.dispatch.pause,
+            release=self.dispatch.resume,
+            park=self.dispatch.park,
+            engine=ENGINE_NAME,
+        )
+        super().__init__(app, engine_handlers=handlers, **kwargs)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http":
@@ -78,6 +79,28 @@ class Middleware(AsgiMiddleware):  # type: ignore[misc]  # kvwatch-hook ships no
                 self._header_ids[header_id] -= 1
                 if self._header_ids[header_id] <= 0:
                     del self._header_ids[header_id]
+
+    def _cancel(self, request_id: str, reason: str) -> CommandOutcome:
+        """The base's cancel (the app's disconnect path, where vLLM aborts the request). A
+        parked request's KV went back to vLLM's pool at its park, so its cancel frees nothing
+        more (docs/protocol.md, "Park and resume"): not the base's estimate."""
+        parked = self._parked(request_id)
+        outcome: CommandOutcome = super()._cancel(request_id, reason)
+        if parked and outcome.status == "cancelled":
+            detail = "parked: its park had freed its KV"
+            return dataclasses.replace(outcome, freed_blocks=0, freed_bytes=0, detail=detail)
+        return outcome
+
+    def _parked(self, stream_id: str) -> bool:
+        """Whether vLLM holds the live stream's requests parked (False when unknown)."""
+        engine, from_header = self._engine, self._announced_from_header(stream_id)
+        if engine is None or from_header is None:
+            return False
+        try:
+            state = engine.kv_state(stream_id, from_header=from_header)
+        except EngineUnreachableError:
+            return False
+        return PARKED in [state["held"].get(engine_id) for engine_id in state["engine_ids"]]
 
     def _announced_from_header(self, stream_id: str) -> bool | None:
         """Whether the live stream `stream_id` was announced under its X-Request-Id (the base
@@ -125,49 +148,7 @@ class Middleware(AsgiMiddleware):  # type: ignore[misc]  # kvwatch-hook ships no
             "kv_state": kv_state,
         }
 
-    def _start(self, scope: Scope) -> tuple[EngineHook, KvGeometry]:
-        """The base's, with kvwatch-vllm's handlers given to the hook (the base has no way to
-        add handlers; docs/engines.md asks for one)."""
-        with self._lock:
-            hook: EngineHook | None = self.hook
-            if hook is None or self._geometry is None:
-                geometry = detect(scope.get("app", self.app), self._bytes_per_token)
-                info = EngineInfo(
-                    engine=ENGINE_NAME,
-                    model=geometry.model,
-                    pid=os.getpid(),
-                    bytes_per_block=geometry.bytes_per_block,
-                    device=geometry.device,
-                    kv_blocks_total=0,
-                )
-                hook = EngineHook(
-                    info,
-                    self._cancel,
-                    self._socket_path,
-                    detach_handler=self._detach if self._egress.detach_bytes else None,
-                    cancel_timeout_seconds=self._cancel_timeout_seconds,
-                    reconnect_seconds=self._reconnect_seconds,
-                    **self._hold_handlers(),
-                )
-                hook.start()
-                self.hook, self._geometry = hook, geometry
-                _log.info("kvwatch hook for vLLM (%s): pause, park, release", info.model)
-            assert self._geometry is not None
-            return hook, self._geometry
-
-    def _hold_handlers(self) -> dict[str, Any]:
-        """The handlers this hook version takes: park always; pause and release (the
-        protocol's resume) once the hook has them."""
-        accepted = inspect.signature(EngineHook.__init__).parameters
-        wanted = {
-            "park_handler": self.dispatch.park,
-            "pause_handler": self.dispatch.pause,
-            "release_handler": self.dispatch.resume,
-        }
-        return {name: handler for name, handler in wanted.items() if name in accepted}
-
     def close(self) -> None:
         if self.control is not None:
             self.control.close()
         super().close()
-

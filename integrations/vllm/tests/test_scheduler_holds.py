@@ -196,13 +196,16 @@ def test_every_id_gets_its_documented_status_never_an_exception(
     assert scheduler.max_num_active_reqs == scheduler.max_num_running_reqs
     assert scheduler.resume_request("C").status == ALREADY_FINISHED
 
-    # Pause then park: the park frees what the pause kept; a parked request is not paused.
+    # Pause then park: the park frees what the pause kept; a pause of a parked request (the
+    # agent's lease renewal) answers paused and leaves it parked.
     held = scheduler.request_block_count("A")
     assert scheduler.pause_request("A").status == PAUSED
     park = scheduler.park_request("A")
     assert (park.status, park.freed_blocks) == (PARKED, held)
     assert scheduler.park_request("A").detail == "already parked"
-    assert scheduler.pause_request("A").status == DECLINED
+    renewal = scheduler.pause_request("A")
+    assert (renewal.status, renewal.detail) == (PAUSED, "parked: it stays parked")
+    assert scheduler.held_requests()["A"] == "parked"
     assert scheduler.max_num_active_reqs == scheduler.max_num_running_reqs
 
     # A request not scheduled yet: no KV to keep (pause declined); a park holds it back.

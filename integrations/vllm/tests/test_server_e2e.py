@@ -2,33 +2,24 @@
 processes) running kvwatch's scheduler and middleware; the only stand-in is the model
 (tests.support.executor). A live streaming request is paused, parked and resumed by its
 X-Request-Id through the middleware's handlers — the same `Dispatch` the engine hook runs for
-the agent — reached here over the middleware's control socket, since the agent's pause and
-release are not wired to a kvwatch run yet (see `test_agent_pauses_a_client_that_stops_reading`).
+the agent — reached here over the middleware's control socket, without an agent (the agent
+drives them in test_server_agent_e2e.py). The server is the session's (conftest.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.support.server import VllmServer, control, stream_completion, vllm_server
+from tests.support.server import VllmServer, control, stream_completion
 from tests.support.tokens import expected_output
 
 pytestmark = pytest.mark.server
 
 PROMPT = list(range(1, 41))  # 40 tokens: 3 blocks of 16 with the first output token
-MAX_TOKENS = 300
-STEP_SECONDS = 0.02  # ~6 s of generation: time to act on a live request
-QUIET_SECONDS = 0.6  # how long a held stream is watched for tokens (30 engine steps)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with vllm_server(model_dir, tmp_path_factory.mktemp("serve"), step_seconds=STEP_SECONDS) as s:
-        yield s
+MAX_TOKENS = 1000  # ~7 s of generation at the server's pace: time to act on a live request
+QUIET_SECONDS = 0.6  # how long a held stream is watched for tokens (100 engine steps)
 
 
 def engine_tokens_stay(server: VllmServer, request_id: str, engine_id: str) -> bool:
@@ -94,12 +85,3 @@ def test_a_live_request_is_paused_parked_and_resumed_by_its_x_request_id(
     # The stream is over: its id is no longer a live stream.
     assert control(server.control_path, "pause", "kvw-e2e-1")["status"] == "unknown_request"
     assert control(server.control_path, "park", "never-seen")["status"] == "unknown_request"
-
-
-@pytest.mark.skip(reason="needs the agent's pause/release (lead's protocol change) in kvwatch run")
-def test_agent_pauses_a_client_that_stops_reading() -> None:
-    """The agent-driven version: `kvwatch run --mode enforce` sees a client that stopped
-    reading (zero window) and pauses, then parks its request over the engine hook; the
-    engine's free blocks rise; the client reads again, the agent releases, and the stream
-    ends byte for byte as an unheld one. Runs with the project's .venv agent (root, BPF) and
-    this server; to be written when `kvwatch run` sends pause/release."""

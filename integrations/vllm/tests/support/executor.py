@@ -26,12 +26,8 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 
+from tests.support.knobs import DEFAULT_KV_BLOCKS, KV_BLOCKS_ENV, STEP_SECONDS_ENV
 from tests.support.tokens import next_token
-
-KV_BLOCKS_ENV = "KVWATCH_TEST_KV_BLOCKS"
-DEFAULT_KV_BLOCKS = 256
-# Seconds each batch takes, so a test can act on a request while it is generating.
-STEP_SECONDS_ENV = "KVWATCH_TEST_STEP_SECONDS"
 
 
 class DeterministicWorker:

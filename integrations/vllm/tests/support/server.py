@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support.knobs import KV_BLOCKS_ENV, STEP_SECONDS_ENV
+
 INTEGRATION_DIR = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT_SECONDS = 180.0
@@ -44,10 +46,19 @@ class VllmServer:
 
 @contextmanager
 def vllm_server(
-    model_dir: Path, work_dir: Path, *, step_seconds: float, extra_args: tuple[str, ...] = ()
+    model_dir: Path,
+    work_dir: Path,
+    *,
+    step_seconds: float,
+    hook_socket: Path | None = None,
+    kv_blocks: int | None = None,
+    max_model_len: int = 1024,
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[VllmServer]:
     """Starts `vllm serve`, waits until it answers /health, yields, then ends the process
-    group it started (the API server and its EngineCore)."""
+    group it started (the API server and its EngineCore). The middleware's hook connects to
+    `hook_socket` (None: a path no agent listens on), the executor offers `kv_blocks` blocks
+    (None: its default)."""
     port = free_port()
     control_path = work_dir / "control.sock"
     log_path = work_dir / "vllm-serve.log"
@@ -57,10 +68,12 @@ def vllm_server(
         "VLLM_TARGET_DEVICE": "cpu",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
-        "KVWATCH_ENGINE_SOCKET": str(work_dir / "no-agent.sock"),  # the agent is absent
+        "KVWATCH_ENGINE_SOCKET": str(hook_socket or work_dir / "no-agent.sock"),
         "KVWATCH_VLLM_CONTROL_SOCKET": str(control_path),
-        "KVWATCH_TEST_STEP_SECONDS": str(step_seconds),
+        STEP_SECONDS_ENV: str(step_seconds),
     }
+    if kv_blocks is not None:
+        env[KV_BLOCKS_ENV] = str(kv_blocks)
     command = [
         str(VENV_BIN / "vllm"),
         "serve",
@@ -71,7 +84,7 @@ def vllm_server(
         "--load-format",
         "dummy",
         "--max-model-len",
-        "1024",
+        str(max_model_len),
         "--served-model-name",
         "tiny",
         "--distributed-executor-backend",

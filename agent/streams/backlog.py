@@ -15,6 +15,16 @@ after a read, Linux sends the reopened window only once it has grown enough
 (tcp_cleanup_rbuf), so a reader that read may show a few segments of shortfall until its
 next ACK. The engine's own user-space buffers are not seen at all.
 
+A receiver's window can also come back smaller than the largest it ever advertised: Linux
+lowers a receive buffer's window threshold when the buffer filled (tcp_clamp_window) and grows
+it back only as data arrives in segments with little overhead, which small writes on loopback
+(64 KB MSS) are not. Against the largest window, such a reader looks 85-95 KB behind with
+nothing unread, and a held stream sends nothing that could grow the window again: it would be
+held for good. So, while a stream is held, a window that rose (its reader read) and then stays
+the same for WINDOW_STEADY_NS becomes the reader's ceiling, the size it reopens to now; a
+larger window raises it again. A reader that read some and stopped looks caught up too: it is
+released, falls behind again and is held again; never the other way round.
+
 `FlowMeter` measures each socket's output rate from its kernel counters (bytes acknowledged
 plus bytes pending: what the server wrote), while its stream is not held, so the seconds stay
 those of the stream's own pace.
@@ -31,6 +41,10 @@ NS_PER_SECOND = 1_000_000_000
 # A rate is measured over at least this long, and weighs its newest span this much.
 RATE_SPAN_NS = 500_000_000
 RATE_WEIGHT = 0.5
+# A held stream's window that rose and then kept still this long is its reader's ceiling. Two
+# window probes (1 s apart) see it; on loopback a slow reader's window moves in 64 KB steps,
+# so a reader still reading may pass for caught up (it is released, and held again if behind).
+WINDOW_STEADY_NS = 2 * NS_PER_SECOND
 
 
 @dataclass(frozen=True)
@@ -87,13 +101,38 @@ def backlog_of(sample: SocketSample, rate: float = 0.0) -> Backlog:
 class _Flow:
     """What the meter keeps of one socket: its last point (when, bytes written), the rate
     measured so far, the largest window its peer advertised (for sources that do not
-    report it), and its newest sample."""
+    report it), and its newest sample; the ceiling its reader reopens to now (None: the
+    largest window), and, while held, the lowest window seen and the window last seen
+    changing (its size, since when)."""
 
     point_ns: int
     written: int
     latest: SocketSample
     rate: float = 0.0
     largest_window: int = 0
+    ceiling: int | None = None
+    held_low: int | None = None
+    steady_window: int = -1
+    steady_since_ns: int = 0
+
+    def note_window(self, sample: SocketSample, held: bool) -> None:
+        """Follows the window for the ceiling (see the module docstring)."""
+        window = sample.peer_rwnd
+        self.largest_window = max(self.largest_window, window)
+        if self.ceiling is not None and window > self.ceiling:
+            self.ceiling = window
+        if not held:
+            self.held_low = None
+            return
+        if self.held_low is None or window < self.held_low:
+            self.held_low = window
+        if window != self.steady_window:
+            self.steady_window, self.steady_since_ns = window, sample.observed_ns
+            return
+        rose = window > self.held_low
+        steady = sample.observed_ns - self.steady_since_ns >= WINDOW_STEADY_NS
+        if rose and steady and not sample.unacked_bytes:
+            self.ceiling = window
 
 
 def written_bytes(sample: SocketSample) -> int:
@@ -125,7 +164,7 @@ class FlowMeter:
             return
         if sample.observed_ns >= flow.latest.observed_ns:
             flow.latest = sample
-        flow.largest_window = max(flow.largest_window, sample.peer_rwnd)
+        flow.note_window(sample, held)
         span_ns = sample.observed_ns - flow.point_ns
         if span_ns < RATE_SPAN_NS:
             return
@@ -139,9 +178,14 @@ class FlowMeter:
     def backlog(self, sample: SocketSample) -> Backlog:
         """The socket's backlog now (see the module docstring)."""
         flow = self._flows.get(sample.key)
-        largest = max(sample.peer_rwnd_max, flow.largest_window if flow is not None else 0)
+        if flow is None:
+            ceiling = sample.peer_rwnd_max
+        elif flow.ceiling is None:
+            ceiling = max(sample.peer_rwnd_max, flow.largest_window)
+        else:
+            ceiling = flow.ceiling
         return Backlog(
-            window_shortfall=window_shortfall(sample, largest),
+            window_shortfall=window_shortfall(sample, ceiling),
             in_flight=sample.unacked_bytes,
             unsent=sample.notsent_bytes,
             rate=flow.rate if flow is not None else 0.0,

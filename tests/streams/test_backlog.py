@@ -1,0 +1,61 @@
+"""The flow meter's backlog of a held stream whose reader's window comes back smaller than the
+largest it ever advertised (Linux lowered its threshold while the buffer was full): the
+reader that read everything is caught up; one that never read is not."""
+
+from __future__ import annotations
+
+from kvwatch.sockets import SocketSample
+from kvwatch.streams.backlog import WINDOW_STEADY_NS, FlowMeter
+from tests.act.test_episode_runner import WINDOW, streaming
+
+SHRUNK = 20_000  # what the window's largest size lost (85-95 KB of 1 MB on loopback)
+T0 = 10**12
+STEP_NS = WINDOW_STEADY_NS // 4
+
+
+def held_looks(meter: FlowMeter, unread: list[int]) -> SocketSample:
+    """Feeds the meter one held look per STEP_NS, the reader's window `unread` short of its
+    largest in each; returns the last sample."""
+    sample = streaming(unread=0, at_ns=T0)
+    meter.note(sample)
+    for n, short in enumerate(unread, start=1):
+        sample = streaming(unread=short, at_ns=T0 + n * STEP_NS)
+        meter.note(sample, held=True)
+    return sample
+
+
+def test_a_reader_that_read_all_is_caught_up_though_its_window_came_back_smaller() -> None:
+    meter = FlowMeter()
+    # Stopped (window closing to nothing), then read all: the window rises and stays smaller.
+    last = held_looks(meter, [WINDOW // 2, WINDOW, WINDOW, SHRUNK] + [SHRUNK] * 5)
+    assert meter.backlog(last).window_shortfall == 0
+    # Released, it reads on: the window at the lower ceiling is no backlog, a closing one is.
+    flowing = last.with_changes(observed_ns=last.observed_ns + STEP_NS)
+    meter.note(flowing)
+    assert meter.backlog(flowing).window_shortfall == 0
+    closing = flowing.with_changes(peer_rwnd=WINDOW - SHRUNK - 40_000)
+    meter.note(closing)
+    assert meter.backlog(closing).window_shortfall == 40_000
+
+
+def test_a_larger_window_raises_the_ceiling_again() -> None:
+    meter = FlowMeter()
+    last = held_looks(meter, [WINDOW, SHRUNK] + [SHRUNK] * 5)
+    grown = last.with_changes(observed_ns=last.observed_ns + STEP_NS, peer_rwnd=WINDOW - 10_000)
+    meter.note(grown)
+    smaller = grown.with_changes(peer_rwnd=WINDOW - 30_000)
+    meter.note(smaller)
+    assert meter.backlog(smaller).window_shortfall == 20_000
+
+
+def test_a_reader_that_never_read_stays_behind_however_long_it_is_held() -> None:
+    meter = FlowMeter()
+    last = held_looks(meter, [SHRUNK, WINDOW - 1000] + [WINDOW - 1000] * 20)
+    assert meter.backlog(last).window_shortfall == WINDOW - 1000
+
+
+def test_a_window_still_moving_is_not_a_ceiling() -> None:
+    meter = FlowMeter()
+    # A slow reader draining while held: its window rises at every look.
+    last = held_looks(meter, [WINDOW - 4096 * n for n in range(1, 12)])
+    assert meter.backlog(last).window_shortfall == WINDOW - 4096 * 11

@@ -13,6 +13,9 @@ EXIT_PRIVILEGE = 3
 # The most characters of a value an error message quotes: a message stays one short line
 # whatever the user or a peer sent (a 50 MB config value, a 100 kB id).
 QUOTE_CHARS = 80
+# A file's path is shown whole up to this many characters (a pod's mounts and a test's
+# temporary directories run long; the user must see which file), cut beyond.
+PATH_CHARS = 240
 
 
 def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
@@ -22,6 +25,11 @@ def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
     if len(shown) <= limit:
         return shown
     return f"{shown[:limit]}... ({len(text)} characters)"
+
+
+def quoted_path(path: object) -> str:
+    """A path as an error message shows it: as `quoted`, whole up to PATH_CHARS."""
+    return quoted(str(path), PATH_CHARS)
 
 
 class KvwatchError(Exception):

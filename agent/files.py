@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import stat
 
-from kvwatch.errors import ConfigError, quoted
+from kvwatch.errors import ConfigError, quoted_path
 
 _FILE_KINDS = {
     stat.S_IFDIR: "a directory",
@@ -19,7 +19,7 @@ _FILE_KINDS = {
 
 def _not_regular(path: str, mode: int, what: str, fix: str) -> ConfigError:
     kind = _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
-    return ConfigError(f"{what} {quoted(path)} is {kind}, not a regular file", fix)
+    return ConfigError(f"{what} {quoted_path(path)} is {kind}, not a regular file", fix)
 
 
 def _read_head(path: str, what: str, fix: str, max_bytes: int) -> bytes:
@@ -41,7 +41,7 @@ def read_small_file(path: str, what: str, fix: str, max_bytes: int) -> bytes:
     """The bytes of the regular file at `path`, a file a user named (`what` it is, for
     messages: "config file"); ConfigError (with `fix`) for an empty path, anything but a
     regular file, a file over `max_bytes`, or one that cannot be read."""
-    shown = quoted(path)
+    shown = quoted_path(path)
     if not path:
         raise ConfigError(f"the {what} path is empty", fix)
     try:

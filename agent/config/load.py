@@ -35,7 +35,7 @@ else:  # Python 3.10
     import tomli as tomllib
 
 from kvwatch.config.schema import CHECKS, RANGES, AgentConfig, PolicyConfig
-from kvwatch.errors import ConfigError, quoted
+from kvwatch.errors import ConfigError, quoted, quoted_path
 from kvwatch.files import read_small_file
 
 ENV_PREFIX = "KVWATCH_"
@@ -181,7 +181,7 @@ _CONFIG_FIX = "point --config at a TOML file"
 
 def _parse_toml(data: bytes, path: str) -> dict[str, Any]:
     """The TOML document in `data`; ConfigError for bytes that are not UTF-8 TOML."""
-    shown = quoted(path)
+    shown = quoted_path(path)
     try:
         return tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -204,7 +204,7 @@ def _parse_toml(data: bytes, path: str) -> dict[str, Any]:
 
 def _read_file(path: str) -> dict[str, object]:
     """The raw values of a TOML file, by dotted key; unknown tables and keys are errors."""
-    shown = quoted(path)
+    shown = quoted_path(path)
     values: dict[str, object] = {}
     data = read_small_file(path, "config file", _CONFIG_FIX, MAX_CONFIG_BYTES)
     for section, table in _parse_toml(data, path).items():
@@ -243,7 +243,7 @@ def _layers(
 ) -> list[tuple[dict[str, object], Callable[[str], _Origin]]]:
     layers: list[tuple[dict[str, object], Callable[[str], _Origin]]] = []
     if path is not None:
-        shown = quoted(path)
+        shown = quoted_path(path)
         layers.append((_read_file(path), lambda _key: _Origin(f"in {shown}", f"edit {shown}")))
     layers.append(
         (_read_env(env), lambda key: _Origin(f"from ${env_name(key)}", f"change ${env_name(key)}"))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvwatch.collect.bpf.layout import KvSockRecord
 from kvwatch.config.schema import AgentConfig, split_listen
-from kvwatch.errors import ConfigError, PrivilegeError, quoted
+from kvwatch.errors import ConfigError, PrivilegeError, quoted, quoted_path
 
 # The kernel's BPF hash map: elements are preallocated for an LRU hash, each with a header
 # (struct htab_elem, 48 bytes on 64-bit) and its 8-byte key, plus one 16-byte bucket per
@@ -65,7 +65,7 @@ def check_procfs(procfs: str) -> None:
     problem = procfs_problem(procfs)
     if problem is not None:
         raise ConfigError(
-            f"path.procfs {quoted(procfs)} {problem}: the agent finds each socket's owner "
+            f"path.procfs {quoted_path(procfs)} {problem}: the agent finds each socket's owner "
             "there, and acts on no socket without one",
             "set path.procfs (--path.procfs) to where the host's /proc is mounted",
         )
@@ -156,7 +156,7 @@ def check_audit_path(path: str) -> None:
     if not path:
         return
     fix = 'set audit.path (--audit-log) to a regular file, or to "" to log to stdout only'
-    shown = quoted(path)
+    shown = quoted_path(path)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -171,15 +171,15 @@ def check_audit_path(path: str) -> None:
 
 
 def _check_creatable(path: str, fix: str) -> None:
-    shown = quoted(path)
+    shown = quoted_path(path)
     directory = Path(path).absolute().parent
     while not directory.exists():
         directory = directory.parent
     if not directory.is_dir():
-        raise ConfigError(f"audit.path {shown}: {quoted(str(directory))} is not a directory", fix)
+        raise ConfigError(f"audit.path {shown}: {quoted_path(directory)} is not a directory", fix)
     if not os.access(directory, os.W_OK | os.X_OK):
         raise PrivilegeError(
-            f"audit.path {shown} cannot be created: {quoted(str(directory))} is not writable "
+            f"audit.path {shown} cannot be created: {quoted_path(directory)} is not writable "
             "by the agent",
             fix,
         )

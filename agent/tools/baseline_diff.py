@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvwatch.errors import ConfigError, quoted
+from kvwatch.errors import ConfigError, quoted_path
 from kvwatch.files import read_small_file
 from kvwatch.tools.baseline import FORMAT, FORMAT_VERSION, ProcessMemory, Snapshot
 from kvwatch.tools.tables import human_bytes
@@ -25,7 +25,7 @@ _NEW_BASELINE_HINT = (
 
 def _unusable(source: str, problem: str) -> ConfigError:
     return ConfigError(
-        f"{quoted(source)} is not a usable kvwatch baseline: {problem}", _NEW_BASELINE_HINT
+        f"{quoted_path(source)} is not a usable kvwatch baseline: {problem}", _NEW_BASELINE_HINT
     )
 
 

@@ -224,7 +224,22 @@ class EpisodeRunner:
         if carries and (_holding(hold) or self.pressure(sample).near or hold.behind_since_ns):
             candidates.append(now_ns + BACKLOG_LOOK_NS)
         candidates += [t for t in (hold.retry_ns, hold.renew_ns) if t]
+        park_ns = self._park_due_ns(hold)
+        if carries and park_ns > now_ns:  # a due park already past is the backlog look's
+            candidates.append(park_ns)
         return max(min(candidates), now_ns) if candidates else None
+
+    def _park_due_ns(self, hold: Hold) -> int:
+        """When the hold rule's park (or detach) falls due: `park_seconds` after the pause
+        took effect, or after the reader fell behind where nothing paused it (0: none due),
+        so that it comes then rather than at the next backlog look, up to BACKLOG_LOOK_NS
+        later."""
+        if self.policy.park == "off" or hold.held in ("parked", "detached"):
+            return 0
+        if hold.decided & {"park", "detach"}:
+            return 0
+        start = hold.held_since_ns if hold.held else hold.behind_since_ns
+        return start + int(self.policy.park_seconds * NS) if start else 0
 
     # -- a look --------------------------------------------------------------------------------
 
@@ -283,7 +298,7 @@ class EpisodeRunner:
             return
         if not stall.since_ns:
             stall.since_ns = judgement.since_ns
-            self._note_stalled(sample, judgement)
+            self._note_stalled(sample, judgement, now_ns)
         retry = await self.executor.on_stalled(stall, view)
         stall.retry_ns = time.monotonic_ns() + int(retry * NS) if retry is not None else 0
         stall.done = retry is None
@@ -405,12 +420,13 @@ class EpisodeRunner:
 
     # -- ends ------------------------------------------------------------------------------------
 
-    def _note_stalled(self, sample: SocketSample, judgement: StallJudgement) -> None:
+    def _note_stalled(self, sample: SocketSample, judgement: StallJudgement, now_ns: int) -> None:
+        """Dated when the look judged it, as the decision it leads to is (ties keep order)."""
         timeline = self.timelines.of(connection_id(sample.local, sample.remote))
         if not any(e["event"] == "stalled" for e in timeline.entries):
             timeline.add(judgement.since_ns, "stall_conditions_began")
             timeline.add(
-                time.monotonic_ns(),
+                now_ns,
                 "stalled",
                 required_seconds=round(judgement.required_ns / NS, 3),
                 evidence=judgement.evidence(self.thresholds),

@@ -65,9 +65,16 @@ def test_streams_then_explain_of_a_cancelled_request_shows_the_whole_chain(stack
     events = [e["event"] for e in chain["timeline"]]
     in_chain = [event for event in events if event in CHAIN]
     assert sorted(set(in_chain), key=CHAIN.index) == CHAIN, events
-    assert [e for e in in_chain if e in ("stalled", "decision")] == ["stalled", "decision"]
+    # The cut's decision (reason "stalled") follows the stall; a hold's (a pause of a reader
+    # that fell behind) may come before it.
+    cut_at = next(
+        i
+        for i, entry in enumerate(chain["timeline"])
+        if entry["event"] == "decision" and entry.get("reason") == "stalled"
+    )
+    assert events.index("stalled") < cut_at, events
     assert "engine_announced" in events
-    assert set(events[events.index("decision") + 1 :]) >= AFTER_DECISION, events
+    assert set(events[cut_at + 1 :]) >= AFTER_DECISION, events
     text = kvwatch("explain", "cmpl-held-1", "--url", stack.agent_url)
     assert text.returncode == 0
     assert "engine acknowledged the cancel: cancelled" in text.stdout

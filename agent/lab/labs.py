@@ -6,6 +6,7 @@ Used by the verdict tests (tests/verdicts) and the benchmarks."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,29 @@ from kvwatch.lab.readers import Reader
 from kvwatch.lab.waiting import wait_until
 from kvwatch.tools.client import get_json
 
-SERVER_PORT = 18080
+FIRST_SERVER_PORT = 18080
+PROCESS_SLOTS = 64
+
+
+def _claim_slot() -> tuple[int, socket.socket]:
+    """A slot no other live process on this machine holds, claimed by binding an abstract
+    socket's name (released when the process ends): the labs of tests that run side by side
+    (pytest-xdist workers) each get their own server port, so an agent watching one process's
+    port never sees another's labs, although every namespace is in the kernel's view."""
+    for slot in range(PROCESS_SLOTS):
+        claim = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            claim.bind(f"\0kvwatch-lab-slot-{slot}")
+        except OSError:
+            claim.close()
+            continue
+        return slot, claim
+    raise RuntimeError(f"{PROCESS_SLOTS} processes already run labs on this machine")
+
+
+_SLOT, _SLOT_CLAIM = _claim_slot()
+# The port every lab of this process serves on, in its own namespace.
+SERVER_PORT = FIRST_SERVER_PORT + _SLOT
 # A fast model's stream: 80 events of ~200 bytes a second; every reader below is slower.
 SERVER_BYTES_PER_SECOND = 16384
 

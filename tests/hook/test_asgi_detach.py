@@ -160,16 +160,19 @@ def test_a_slow_reader_of_a_detached_stream_gets_the_undetached_stream_byte_for_
 ) -> None:
     with serving_llama(kind, model_path, socket_path) as (server, _):
         request = llama_completion(server.port, SLOW_TOKENS, greedy=True)
+        asked_at = time.monotonic()
         undetached = open_client(server.port, request)
         expected = _http_body(read_all(undetached, WAIT_SECONDS))
         undetached.close()
+        # Detached, the generation runs as fast as undetached: a bound from this machine's pace.
+        generation_bound = max(WAIT_SECONDS, 3 * (time.monotonic() - asked_at))
         wait_until(lambda: hook_server.stream() is None, WAIT_SECONDS, "the first stream's close")
         reader = _SlowReader(open_client(server.port, request))
         reader.start()
         (held,) = hook_server.backed_up()  # the reader has not started reading
         reader.go.set()
         outcome = hook_server.command("detach", held.request_id)
-        generated_at = _generation_ended(hook_server, held.request_id)
+        generated_at = _generation_ended(hook_server, held.request_id, generation_bound)
         reader.hurry.set()
         reader.join(WAIT_SECONDS)
         read_when_generated = reader.read_by(generated_at)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from kvwatch.hook import CommandHandler, CommandOutcome, EngineHook
+from kvwatch.hook.asgi import Middleware
 from kvwatch.lab.agent_thread import HookServerThread
+from kvwatch.lab.asgi_servers import SseApp
 from tests.hook.hook_agent import ENGINE_INFO, AgentServer
 
 
@@ -65,3 +68,21 @@ def hook_factory(socket_path: str) -> Iterator[Callable[..., EngineHook]]:
     yield build
     for hook in hooks:
         hook.stop()
+
+
+@pytest.fixture
+def middlewares(socket_path: str) -> Iterator[Callable[..., Middleware]]:
+    """Builds the ASGI middleware around an app, on the test's hook socket (1000 bytes of KV a
+    token, quick reconnects), and closes every one at teardown."""
+    built: list[Middleware] = []
+
+    def build(app: SseApp, **options: Any) -> Middleware:
+        middleware = Middleware(
+            app.app, socket_path=socket_path, bytes_per_token=1000, reconnect_seconds=0.2, **options
+        )
+        built.append(middleware)
+        return middleware
+
+    yield build
+    for middleware in built:
+        middleware.close()

@@ -6,7 +6,7 @@ stay within the total cap; a response buffered from its start is not detached ag
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -18,22 +18,6 @@ from kvwatch.lab.waiting import wait_until
 SERVERS = ("uvicorn", "hypercorn")
 SNDBUF_BYTES = 64 * 1024
 WAIT_SECONDS = 30.0
-
-
-@pytest.fixture
-def middlewares(socket_path: str) -> Iterator[Callable[..., Middleware]]:
-    built: list[Middleware] = []
-
-    def build(app: SseApp, **options: int) -> Middleware:
-        middleware = Middleware(
-            app.app, socket_path=socket_path, bytes_per_token=1000, reconnect_seconds=0.2, **options
-        )
-        built.append(middleware)
-        return middleware
-
-    yield build
-    for middleware in built:
-        middleware.close()
 
 
 def _coupled_again(hook_server: HookServerThread) -> bool:

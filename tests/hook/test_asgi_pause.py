@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 
@@ -27,22 +26,6 @@ WAIT_SECONDS = 20.0
 TOKENS = 300
 PAD = 100  # about 170 bytes an event
 HELD_MS = 60_000  # a lease that does not run out during a test
-
-
-@pytest.fixture
-def middlewares(socket_path: str) -> Iterator[Callable[..., Middleware]]:
-    built: list[Middleware] = []
-
-    def build(app: SseApp, **options: Any) -> Middleware:
-        middleware = Middleware(
-            app.app, socket_path=socket_path, bytes_per_token=1000, reconnect_seconds=0.2, **options
-        )
-        built.append(middleware)
-        return middleware
-
-    yield build
-    for middleware in built:
-        middleware.close()
 
 
 def stream(port: int, tag: str, tokens: int = TOKENS) -> ChunkedResponse:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvwatch.lab.harness.cut_stack import STALL_SECONDS, CutStack
+from kvwatch.lab.harness.cut_stack import CutStack
 from kvwatch.lab.waiting import wait_for
 
 pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
@@ -39,9 +39,14 @@ def kvwatch(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+# Long enough for `kvwatch streams` to list the stream before its cut: each look starts the
+# CLI, which took up to 3 s on a machine the parallel suite loads.
+LISTED_STALL_SECONDS = 8.0
+
+
 def test_streams_then_explain_of_a_cancelled_request_shows_the_whole_chain(stack: CutStack) -> None:
     stack.start_engine()
-    stack.start_agent("--mode", "enforce")
+    stack.start_agent("--mode", "enforce", "--stall-seconds", str(LISTED_STALL_SECONDS))
     client = stack.spawn_stalled_client("held-1")
 
     def listed() -> dict[str, Any] | None:
@@ -53,7 +58,7 @@ def test_streams_then_explain_of_a_cancelled_request_shows_the_whole_chain(stack
     row = wait_for(listed, 30, "`kvwatch streams` to list cmpl-held-1", poll_seconds=0.1)
     assert row["kv_blocks"] > 0 and row["engine"] == "kvwatch-reference"
     assert row["local"] == f"127.0.0.1:{stack.engine_port}"
-    deadline = time.monotonic() + STALL_SECONDS + 5
+    deadline = time.monotonic() + LISTED_STALL_SECONDS + 5
     chain: dict[str, Any] = {}
     while time.monotonic() < deadline:
         result = kvwatch("explain", "cmpl-held-1", "--json", "--url", stack.agent_url)

@@ -38,9 +38,11 @@ pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 MODEL = TinyLlama()
 ACTION_SECONDS = 30.0
-# The waiting request of the detach test is served once the detached generation ends; its
-# bound is the cut's (the reader-rate proof, about a minute for a default buffer).
+# The waiting request of the detach test is served once the detached generation ends (~10 s
+# idle, 30 s on a machine the parallel suite loads). The proof of its stalled reader at the
+# default 4 KB/s came at 30 s there; at this rate it needs about two minutes.
 SERVED_SECONDS = 60.0
+DETACH_TEST_READER_RATE = 1024
 WRAPPED = "kvwatch.hook.asgi:wrapped_factory"
 UNWRAPPED = "llama_cpp.server.app:create_app"
 
@@ -228,9 +230,18 @@ def test_a_stalled_client_is_detached_and_the_waiting_request_served_before_any_
     (~1 MB of SSE: more than its buffers hold): the agent detaches its stream park_seconds
     into its back-pressure or its reader's backlog, the generation runs to its end into the
     middleware's buffer and releases the lock, and the waiting request is served — long
-    before the reader-rate proof (about a minute for such a buffer) could cut anyone."""
+    before the reader-rate proof (about two minutes for such a buffer at 1 KB/s) could cut
+    anyone."""
     server = start_llama(servers, model_path, WRAPPED, stack.hook_socket)
-    stack.start_agent("--mode", "enforce", "--park", "on", port=server.port)
+    stack.start_agent(
+        "--mode",
+        "enforce",
+        "--park",
+        "on",
+        "--min-reader-rate",
+        str(DETACH_TEST_READER_RATE),
+        port=server.port,
+    )
     stack.wait_engine_connected()
     stalled_id = str(uuid.uuid4())
     stalled = stalled_client(server.port, stalled_id, rcvbuf_bytes=0, max_tokens=4000)

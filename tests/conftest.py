@@ -29,6 +29,42 @@ def bpf_unavailable_reason() -> str | None:
     return None
 
 
+# `make test` runs the suite on pytest-xdist workers; the longest tests start first, so the
+# rest fills in around them: the kernel matrix's VMs, then the other slow ones and those that
+# run the engine, then the rest (a stable sort: each group keeps its order).
+FIRST_TO_START = "tests/kernel/test_matrix.py"
+
+
+def start_order(item: pytest.Item) -> int:
+    if item.nodeid.startswith(FIRST_TO_START):
+        return 0
+    if item.get_closest_marker("slow") or item.get_closest_marker("engine"):
+        return 1
+    return 2
+
+
+# Tests that time a real server's stream (the torch engine, llama-cpp-python) run one after
+# another within their group (`--dist loadgroup`): beside each other on two cores their servers
+# decoded 3-4 times slower than alone, and the pace is what those tests are about.
+LLAMA_SERVER_FILES = ("tests/hook/test_asgi_detach", "tests/e2e/test_llama_cpp.py")
+
+
+def serial_group(item: pytest.Item) -> str | None:
+    if item.get_closest_marker("engine"):
+        return "engine"
+    if item.nodeid.startswith(LLAMA_SERVER_FILES):
+        return "llama-cpp"
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=start_order)
+    for item in items:
+        group = serial_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("bpf") is None:
         return

@@ -45,6 +45,9 @@ RATE_WEIGHT = 0.5
 # window probes (1 s apart) see it; on loopback a slow reader's window moves in 64 KB steps,
 # so a reader still reading may pass for caught up (it is released, and held again if behind).
 WINDOW_STEADY_NS = 2 * NS_PER_SECOND
+# Below this output rate (bytes per second) a backlog's seconds are shown as unknown: the rate
+# of a stream that stopped writing decays towards 0, and its backlog of 200 KB read as 2.7e11 s.
+SHOWN_RATE_FLOOR = 1.0
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class Backlog:
         return self.bytes / self.rate if self.rate > 0 else None
 
     def to_json(self) -> dict[str, Any]:
-        seconds = self.seconds
+        seconds = self.seconds if self.rate >= SHOWN_RATE_FLOOR else None
         return {
             "bytes": self.bytes,
             "seconds": round(seconds, 3) if seconds is not None else None,

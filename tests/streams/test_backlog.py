@@ -5,7 +5,7 @@ reader that read everything is caught up; one that never read is not."""
 from __future__ import annotations
 
 from kvwatch.sockets import SocketSample
-from kvwatch.streams.backlog import WINDOW_STEADY_NS, FlowMeter
+from kvwatch.streams.backlog import WINDOW_STEADY_NS, Backlog, FlowMeter
 from tests.act.test_episode_runner import WINDOW, streaming
 
 SHRUNK = 20_000  # what the window's largest size lost (85-95 KB of 1 MB on loopback)
@@ -59,3 +59,11 @@ def test_a_window_still_moving_is_not_a_ceiling() -> None:
     # A slow reader draining while held: its window rises at every look.
     last = held_looks(meter, [WINDOW - 4096 * n for n in range(1, 12)])
     assert meter.backlog(last).window_shortfall == WINDOW - 4096 * 11
+
+
+def test_a_backlog_at_a_rate_decayed_to_almost_nothing_shows_no_seconds() -> None:
+    """A stream that stopped writing: its rate decays towards 0, and 200 KB unread once read
+    as 2.7e11 s in `sockets --json`."""
+    stopped = Backlog(window_shortfall=4096, in_flight=0, unsent=201380, rate=7.5e-7)
+    assert stopped.to_json()["seconds"] is None
+    assert Backlog(4096, 0, 4096, rate=4096.0).to_json()["seconds"] == 2.0

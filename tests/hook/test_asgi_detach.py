@@ -34,11 +34,12 @@ SLOW_TOKENS = 2400
 WAITER_TOKENS = 20
 WAIT_SECONDS = 60.0  # a loaded 2-core CI machine: a hypercorn stream took 46 s
 SLOW_READ_BYTES = 8192
-# About 16 KB/s until the generation has ended, then as fast as it comes. The tiny model's
-# 2400 tokens (~610 KB) took 17-20 s on a loaded 2-core machine (30-36 KB/s): a reader at
-# 53 KB/s kept up with hypercorn's stream there, its close then came with no update saying the
-# KV was freed (the hook coalesces that update into the close), and the test waited 180 s for
-# an update that could not come. Slower than any generation, the reader cannot catch up.
+# At most 16 KB/s until the generation has ended, then as fast as it comes. The tiny model's
+# 2400 tokens (~610 KB) took 17-20 s on a loaded 2-core machine (30-36 KB/s), 58 s (10.5 KB/s)
+# in the parallel suite: a reader that keeps up with the stream gets its close with no update
+# saying the KV was freed (the hook coalesces that update into the close), and the test waited
+# for an update that could not come (hypercorn's stream, which was taken for slow). The reader
+# goes at a third of this machine's undetached pace at most, so it cannot catch up.
 SLOW_READ_PAUSE_SECONDS = 0.5
 ENGINE_PER_REQUEST = re.compile(rb'"id": "cmpl-[0-9a-f-]+"|"created": \d+')
 # sse-starlette (llama-cpp-python's SSE) writes a comment every 15 s: a stream read slowly has
@@ -120,12 +121,13 @@ def test_a_detached_stream_generates_to_its_end_and_the_waiting_request_is_serve
 
 
 class _SlowReader(threading.Thread):
-    """Reads a response SLOW_READ_BYTES at a time once `go` is set, pausing between reads
-    until `hurry` is set."""
+    """Reads a response SLOW_READ_BYTES at a time once `go` is set, pausing `pause_seconds`
+    between reads until `hurry` is set."""
 
-    def __init__(self, client: socket.socket) -> None:
+    def __init__(self, client: socket.socket, pause_seconds: float) -> None:
         super().__init__(daemon=True)
         self.client = client
+        self.pause_seconds = pause_seconds
         self.go = threading.Event()
         self.hurry = threading.Event()
         self.body = bytearray()
@@ -144,7 +146,7 @@ class _SlowReader(threading.Thread):
                 return
             self.body += chunk
             self.progress.append((time.monotonic(), len(self.body)))
-            self.hurry.wait(SLOW_READ_PAUSE_SECONDS)
+            self.hurry.wait(self.pause_seconds)
 
 
 def _http_body(response: bytes) -> bytes:
@@ -164,10 +166,15 @@ def test_a_slow_reader_of_a_detached_stream_gets_the_undetached_stream_byte_for_
         undetached = open_client(server.port, request)
         expected = _http_body(read_all(undetached, WAIT_SECONDS))
         undetached.close()
-        # Detached, the generation runs as fast as undetached: a bound from this machine's pace.
-        generation_bound = max(WAIT_SECONDS, 3 * (time.monotonic() - asked_at))
+        # Detached, the generation runs as fast as undetached: a bound from this machine's pace,
+        # and a reader at a third of that pace at most (SLOW_READ_PAUSE_SECONDS's comment).
+        undetached_seconds = time.monotonic() - asked_at
+        generation_bound = max(WAIT_SECONDS, 3 * undetached_seconds)
+        pause_seconds = max(
+            SLOW_READ_PAUSE_SECONDS, 3 * SLOW_READ_BYTES * undetached_seconds / len(expected)
+        )
         wait_until(lambda: hook_server.stream() is None, WAIT_SECONDS, "the first stream's close")
-        reader = _SlowReader(open_client(server.port, request))
+        reader = _SlowReader(open_client(server.port, request), pause_seconds)
         reader.start()
         (held,) = hook_server.backed_up()  # the reader has not started reading
         reader.go.set()

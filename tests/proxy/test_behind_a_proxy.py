@@ -252,17 +252,19 @@ def test_a_client_stalled_on_an_earlier_request_does_not_inherit_the_next(
         # join seems to need a gap.
         time.sleep(1)  # deliberate: the gap
         second = through(proxy, client("second", "4k", 2 * GUARANTEE), LONG_TOKENS)
+        # Joined while its request runs (it may end, into the proxy's buffers, before the
+        # first client's decision, ~8 s after its stall at this guarantee).
+        second_row = wait_for(
+            lambda: (row := stream_row(stack, second.local)) and row["request_id"] and row,
+            JOIN_SECONDS,
+            lambda: f"the second client's socket joined: {stream_row(stack, second.local)}",
+        )
         decision = wait_for(
             lambda: next(
                 (d for d in stack.audit_entries("decision") if d["remote"] == first.local), None
             ),
             SETTLE_SECONDS,
             "a decision on the first client",
-        )
-        second_row = wait_for(
-            lambda: (row := stream_row(stack, second.local)) and row["request_id"] and row,
-            JOIN_SECONDS,
-            lambda: f"the second client's socket joined: {stream_row(stack, second.local)}",
         )
         time.sleep(1)  # deliberate: an action would follow the decision within milliseconds
     finally:

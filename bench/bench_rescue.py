@@ -1,41 +1,42 @@
-"""Rescue: what stalled clients cost the healthy ones, and what the agent gives back.
+"""Rescue: what clients that stop reading cost the healthy ones, and what the agent gives back.
 
-One engine (coupled egress, a small KV pool, small send buffers, long prompts: a stalled
-request pins its KV, as in `kvwatch demo`) and the same healthy load, in these
-configurations measured in one run, for each kind of stalled client (STALLED_BUFFERS: a 4 KB
-SO_RCVBUF, and the kernel's default receive buffer, which only a long answer outgrows):
-- clean: healthy clients only (the agent runs and finds nothing to do), measured first and
+One engine (the tiny model, coupled egress, a small KV pool, long prompts: a request whose
+reader stopped pins its KV until something frees it, as in `kvwatch demo`) and the same
+healthy load, in these configurations measured one after another on the same engine:
+- clean: healthy clients only (the agent observes and finds nothing to do), measured first and
          again last, so that drift from neighbours shows; the two are averaged;
-- off:   the same healthy clients, plus stalled clients arriving at random, agent observing;
-- cut:   the same healthy and stalled clients (same arrival times), agent enforcing with
-         park off: each stalled request is cancelled after the proof, with the default reader
-         guarantee (4 KB/s);
-- park:  the same, with park on (the default): each is parked PARK_SECONDS into its
-         back-pressure (its KV freed at once) and cancelled after the proof.
-Healthy clients are a closed loop (each sends its next request when one ends). Stalled
-clients are other users: they arrive as a Poisson process at a third of the healthy request
-rate measured in the clean run, so one request in four is a stalled one ("25% stalled
-clients"); each reads its first token, stops reading and keeps its connection open until
-it is reset. Without the agent their requests pile up, each pinning its KV; with it, each
-is cancelled once the judge calls it stalled: `stall_seconds` after it stalls, or later
-when the reader guarantee needs longer (docs/collector.md: with a 4 KB client buffer and
-the default 4 KB/s, the proof is the answer to the zero-window probe at ~3 s).
+- off:   the same healthy clients, plus clients that stop reading arriving at random, the
+         agent observing;
+- cut:   the same (same arrival rate), the agent enforcing with pause and park off: each
+         stopped request is cancelled after the stall's proof (the default reader guarantee);
+- park:  enforcing with pause off: a request whose reader has been behind park_seconds is
+         parked (its KV freed), and cut after the proof;
+- paced: enforcing with the agent's defaults: a request whose reader is pause_seconds of its
+         stream behind is paused (no more decoding), parked park_seconds later, and cut
+         after the proof.
+Healthy clients are a closed loop (each sends its next request when one ends). Clients that
+stop are other users: they arrive as a Poisson process at a third of the healthy request
+rate measured in the clean run, so one request in four is theirs ("25% stalled clients");
+each asks for a long answer (a reasoning model's), reads its first token, stops reading and
+keeps its connection open until it is reset or the phase ends.
+
+Two kinds of buffers (VARIANTS): as users run it, the engine's default 64 KiB send buffer
+and the clients' kernel-default receive buffers (1,400-token answers: only a long answer
+outgrows what the buffers between engine and client hold); and, as a labelled variant, an
+8 KiB engine send buffer with 4 KB clients (512-token answers), where the cut comes within
+seconds.
 
 Measured per configuration: the healthy clients' tokens/s and TTFT (p50/p99; requests still
-waiting at the end count as lower bounds), and, from the engine's /metrics every 0.5 s, the
-KV blocks in use, the requests waiting and the preemptions; the engine's and the agent's CPU
-share and the machine's load average say how much CPU the engine had (on a shared 2-core
+waiting at the end count as lower bounds); from the engine's /metrics every 0.5 s the KV
+blocks in use, the requests waiting and the preemptions; from GET /v1/requests the tokens
+the engine decoded for the stopped clients; from the audit log the pauses, parks and cuts;
+the engine's and the agent's CPU share and the machine's load average (on a shared 2-core
 machine, neighbours move the throughput more than anything measured here). Targets (issue
-4): with the agent, >= 90% of the clean throughput and TTFT p99 <= 1.5x clean.
+37): >= 90% of the clean throughput and TTFT p99 <= 1.5x clean.
 
 The pool is sized so that the clean load peaks at ~70% of it (6 x (601 + 256) tokens in
-16-token blocks = 324 of 450 blocks). With the agent, stalled requests still pin their KV
-from admission until the stall is due after the client's window closes, so at any time
-about (stall rate x that time) of them hold blocks: the agent meets the targets when the
-pool has that headroom, and when its cancel budget (MAX_CANCELS_PER_MINUTE) covers the stall
-rate. Shorter healthy answers (higher request rate, so a higher stall rate) or a fuller pool
-leave less of it. Each repetition runs in a fresh stack; the result is the median of REPEATS
-with its range, since single runs moved by 10-25% between reruns.
+16-token blocks = 324 of 450 blocks). Each repetition runs in a fresh engine; the result is
+the median of REPEATS with its range, since single runs moved by 10-25% between reruns.
 
 Run as root: `python -m bench.bench_rescue` (or `make bench`). Writes
 bench/results/rescue.json and rescue.png.
@@ -48,12 +49,14 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.common import RESULTS, spread, write_result
 from bench.stack import engine_connection, stall_arrivals
-from kvwatch.config.schema import DEFAULT_MIN_READER_BYTES_PER_SECOND
 from kvwatch.errors import KvwatchError
 from kvwatch.lab.harness import demo
 from kvwatch.lab.harness.demo import PROMPT, scrape
@@ -67,15 +70,36 @@ ENGINE_ARGS = (*demo.engine_args(KV_BLOCKS), "--max-tokens-limit", "2048")
 HEALTHY_CLIENTS = 6
 STALLED_SHARE = 0.25  # of all requests
 HEALTHY_MAX_TOKENS = 256
-# What a stalled client asks for, by its receive buffer (0: the kernel's default): with 4 KB
-# a stalled stream blocks the engine's writes after ~140 tokens; with the default buffer only
-# after ~1000 (loopback), so it asks for as long an answer as the context leaves room for.
-STALLED_BUFFERS = {4096: 512, 0: 1400}
-PARK_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The buffers between engine and clients: the engine's extra arguments, the stopping
+    clients' SO_RCVBUF (0: the kernel's default) and how long an answer they ask for (with
+    default buffers only a long answer outgrows what the buffers hold)."""
+
+    name: str
+    engine_args: tuple[str, ...]
+    rcvbuf_bytes: int
+    stalled_max_tokens: int
+    label: str
+
+
+VARIANTS = (
+    Variant("default", (), 0, 1400, "default buffers, 1,400-token answers"),
+    Variant(
+        "small",
+        ("--sndbuf-bytes", "8192"),
+        4096,
+        512,
+        "labelled variant: 8 KiB engine send buffer, 4 KB clients, 512-token answers",
+    ),
+)
 STALL_SECONDS = 2.0
 PHASE_SECONDS = 16.0
 WARMUP_SECONDS = 3.0
-DRAIN_SECONDS = 15.0
+# A parked request whose client left ends when its lease runs out (10 s) and it resumes.
+DRAIN_SECONDS = 30.0
 SAMPLE_SECONDS = 0.5
 ENGINE = "kvwatch_engine:"
 TARGET_THROUGHPUT_RATIO = 0.90
@@ -83,11 +107,20 @@ TARGET_TTFT_P99_RATIO = 1.5
 # A single run moved by 10-25% between reruns on a quiet machine: the result is the median
 # of several, with their range.
 REPEATS = 3
-SIDES = ("off", "cut", "park")
-# Room for every stall of the load (25% of ~4 requests/s is ~70 a minute): the default
-# budget of 10 a minute left half of them pinning their KV (measured: 10 of 18-19 stalls
-# cancelled per 16 s phase, throughput 74-79% of clean either guarantee).
-MAX_CANCELS_PER_MINUTE = 600
+# The agent's configurations (its defaults but for these switches and COMMON_AGENT_ARGS).
+SIDES: dict[str, tuple[str, ...]] = {
+    "off": ("--mode", "observe"),
+    "cut": ("--mode", "enforce", "--pause", "off", "--park", "off"),
+    "park": ("--mode", "enforce", "--pause", "off"),
+    "paced": ("--mode", "enforce"),
+}
+# The cut's best case: room in the budget for every stall of the load (25% of ~4 requests/s
+# is ~70 a minute; the default budget of 10 a minute left half of them pinning their KV), a
+# 2 s stall threshold and no grace period.
+COMMON_AGENT_ARGS = (
+    "--stall-seconds", str(STALL_SECONDS), "--grace-seconds", "0",
+    "--max-cancels-per-minute", "600",
+)  # fmt: skip
 
 
 def engine_gauges(stack: Stack) -> dict[str, float]:
@@ -104,16 +137,25 @@ def engine_gauges(stack: Stack) -> dict[str, float]:
     }
 
 
+def engine_requests(stack: Stack) -> list[dict[str, Any]]:
+    """The engine's account of its live and last finished requests (GET /v1/requests)."""
+    data: list[dict[str, Any]] = httpx.get(f"{stack.engine_url}/v1/requests", timeout=5).json()[
+        "data"
+    ]
+    return data
+
+
 def wait_drained(stack: Stack) -> None:
-    """Until the engine holds no blocks and runs nothing: the clients of a phase are gone."""
+    """Until the engine holds no blocks and has no live request (a parked one included): the
+    clients of a phase are gone."""
     deadline = time.monotonic() + DRAIN_SECONDS
     while time.monotonic() < deadline:
-        gauges = engine_gauges(stack)
-        if not gauges["kv_cache_blocks_used"] and not gauges["num_requests_running"]:
+        live = [r for r in engine_requests(stack) if r["state"] not in ("finished", "cancelled")]
+        if not live and not engine_gauges(stack)["kv_cache_blocks_used"]:
             return
         time.sleep(0.2)
     raise KvwatchError(
-        f"the engine still holds KV blocks {DRAIN_SECONDS:g} s after the clients left",
+        f"the engine still has live requests {DRAIN_SECONDS:g} s after the clients left",
         f"read the engine's log in {stack.workdir}",
     )
 
@@ -123,10 +165,10 @@ async def load(
     seconds: float,
     stalls_per_second: float,
     on_progress: ProgressCallback,
-    rcvbuf_bytes: int = 4096,
+    variant: Variant,
 ) -> tuple[LoadReport, ClassStats | None]:
-    """The healthy clients for `seconds`, beside stalled ones arriving at random (0: none)
-    with an SO_RCVBUF of `rcvbuf_bytes` (0: the kernel's default)."""
+    """The healthy clients for `seconds`, beside clients that stop reading arriving at random
+    (`stalls_per_second`; 0: none) with the variant's buffer and answer length."""
     plan = LoadPlan(
         url=stack.engine_url,
         healthy=HEALTHY_CLIENTS,
@@ -137,13 +179,38 @@ async def load(
     healthy = run_load(plan, on_progress=on_progress, progress_interval_seconds=SAMPLE_SECONDS)
     if not stalls_per_second:
         return await healthy, None
-    conn = engine_connection(stack.engine_url, PROMPT, STALLED_BUFFERS[rcvbuf_bytes])
-    stalled = stall_arrivals(conn, seconds, stalls_per_second, rcvbuf_bytes=rcvbuf_bytes)
+    conn = engine_connection(stack.engine_url, PROMPT, variant.stalled_max_tokens)
+    rcvbuf = variant.rcvbuf_bytes
+    stalled = stall_arrivals(conn, seconds, stalls_per_second, rcvbuf_bytes=rcvbuf)
     return await asyncio.gather(healthy, stalled)
 
 
+def actions_taken(stack: Stack, since_ns: int) -> dict[str, int]:
+    """The agent's outcomes since `since_ns` that took effect, by status."""
+    counts = {"paused": 0, "parked": 0, "released": 0, "cancelled": 0}
+    for entry in stack.audit_entries("outcome"):
+        status = entry["result"]["status"]
+        if entry["monotonic_ns"] >= since_ns and status in counts:
+            counts[status] += 1
+    counts["budget_refusals"] = sum(
+        1
+        for e in stack.audit_entries("decision")
+        if e["monotonic_ns"] >= since_ns and e["reason"] == "budget_exhausted"
+    )
+    return counts
+
+
+def stalled_tokens(stack: Stack) -> int:
+    """Tokens the engine decoded for the clients that stopped (each read one), by now."""
+    return sum(
+        r["tokens_generated"] - 1
+        for r in engine_requests(stack)
+        if r["request_id"].startswith("cmpl-stalled-")
+    )
+
+
 def configuration(
-    stack: Stack, name: str, stalls_per_second: float, rcvbuf_bytes: int = 4096
+    stack: Stack, name: str, stalls_per_second: float, variant: Variant
 ) -> dict[str, Any]:
     """One configuration's load, and what the healthy clients and the engine saw."""
     samples: list[dict[str, float]] = []
@@ -155,22 +222,18 @@ def configuration(
             PHASE_SECONDS,
             stalls_per_second,
             lambda _: samples.append(engine_gauges(stack)),
-            rcvbuf_bytes,
+            variant,
         )
     )
     after, cpu_after = engine_gauges(stack), stack.cpu_seconds()
+    decoded_for_stopped = stalled_tokens(stack)
     cpu_percent = {
         f"{name}_cpu_percent_of_core": round(
             100 * (cpu_after[name] - cpu_before[name]) / report.duration_seconds, 1
         )
         for name in cpu_after
     }
-    entries = [e for e in stack.audit_entries() if e["monotonic_ns"] >= since_ns]
-    cancels = [
-        e for e in entries if e["kind"] == "outcome" and e["result"]["status"] == "cancelled"
-    ]
-    parks = [e for e in entries if e["kind"] == "outcome" and e["result"]["status"] == "parked"]
-    refused = [e for e in entries if e["kind"] == "decision" and e["reason"] == "budget_exhausted"]
+    taken = actions_taken(stack, since_ns)
     wait_drained(stack)
     healthy = report.classes["healthy"]
 
@@ -194,11 +257,12 @@ def configuration(
         "healthy_itl_p99_ms": ms(healthy.itl_seconds.p99),
         "stalled_requests": stalled.requests if stalled else 0,
         "stalled_reset": stalled.outcomes["reset"] if stalled else 0,
-        "cancels": len(cancels),
-        "parks": len(parks),
-        "parked_kv_blocks": sum(e["result"]["freed_blocks"] for e in parks),
-        "budget_refusals": len(refused),
-        "freed_kv_blocks": sum(e["result"]["freed_blocks"] for e in cancels),
+        "stalled_tokens_decoded": decoded_for_stopped if stalled else 0,
+        "pauses": taken["paused"],
+        "parks": taken["parked"],
+        "releases": taken["released"],
+        "cancels": taken["cancelled"],
+        "budget_refusals": taken["budget_refusals"],
         "mean_kv_blocks_used": mean("kv_cache_blocks_used"),
         "peak_kv_blocks_used": max((s["kv_cache_blocks_used"] for s in samples), default=0.0),
         "mean_requests_waiting": mean("num_requests_waiting"),
@@ -209,13 +273,8 @@ def configuration(
     }
 
 
-def agent_args(mode: str, park: str = "off") -> list[str]:
-    return [
-        "--mode", mode, "--stall-seconds", str(STALL_SECONDS), "--grace-seconds", "0",
-        "--min-reader-rate", str(DEFAULT_MIN_READER_BYTES_PER_SECOND),
-        "--max-cancels-per-minute", str(MAX_CANCELS_PER_MINUTE),
-        "--park", park, "--park-seconds", str(PARK_SECONDS),
-    ]  # fmt: skip
+def agent_args(side: str) -> list[str]:
+    return [*SIDES[side], *COMMON_AGENT_ARGS]
 
 
 def clean_reference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
@@ -235,68 +294,65 @@ def ratios(row: dict[str, Any], clean: dict[str, float]) -> dict[str, float]:
     }
 
 
-def repetition(rcvbuf_bytes: int) -> dict[str, Any]:
-    """clean, off (observing agent), cut (enforcing, park off), park (enforcing, park on),
-    then clean again, with stalled clients of `rcvbuf_bytes` (0: the kernel's default): the
-    clean runs bracket the others, so a neighbour's load that comes and goes shows as their
-    gap."""
+def clean_run(stack: Stack, audit: str) -> dict[str, Any]:
+    """The healthy clients alone, the agent observing."""
+    agent = stack.start_agent(*agent_args("off"), audit=audit)
+    stack.wait_engine_connected()
+    row = configuration(stack, "clean", 0, VARIANTS[0])
+    stack.stop(agent)
+    return row
+
+
+def repetition(variant: Variant) -> dict[str, Any]:
+    """clean, then each of SIDES, then clean again, in one engine: the clean runs bracket the
+    others, so a neighbour's load that comes and goes shows as their gap."""
     with tempfile.TemporaryDirectory(prefix="kvwatch-bench-") as tmp, Stack(Path(tmp)) as stack:
-        stack.start_engine(*ENGINE_ARGS)
-        observing = stack.start_agent(*agent_args("observe"), audit="audit-observe.jsonl")
+        stack.start_engine(*ENGINE_ARGS, *variant.engine_args)
+        warming = stack.start_agent(*agent_args("off"), audit="audit-warmup.jsonl")
         stack.wait_engine_connected()
-        asyncio.run(load(stack, WARMUP_SECONDS, 0, lambda _: None))
+        asyncio.run(load(stack, WARMUP_SECONDS, 0, lambda _: None, variant))
         wait_drained(stack)
-        before = configuration(stack, "clean", 0)
-        # One stalled request for every three healthy ones: 25% of all requests.
+        stack.stop(warming)
+        before = clean_run(stack, "audit-clean-before.jsonl")
+        # One stopping request for every three healthy ones: 25% of all requests.
         rate = before["healthy_requests_per_second"] * STALLED_SHARE / (1 - STALLED_SHARE)
-        off = configuration(stack, "off", rate, rcvbuf_bytes)
-        stack.stop(observing)
-        rows = [before, off]
-        for side, park in (("cut", "off"), ("park", "on")):
-            enforcing = stack.start_agent(*agent_args("enforce", park), audit=f"audit-{side}.jsonl")
+        rows = [before]
+        for side in SIDES:
+            agent = stack.start_agent(*agent_args(side), audit=f"audit-{side}.jsonl")
             stack.wait_engine_connected()
-            rows.append(configuration(stack, side, rate, rcvbuf_bytes))
-            stack.stop(enforcing)
-        stack.start_agent(*agent_args("observe"), audit="audit-clean.jsonl")
-        stack.wait_engine_connected()
-        after = configuration(stack, "clean", 0)
+            rows.append(configuration(stack, side, rate, variant))
+            stack.stop(agent)
+        after = clean_run(stack, "audit-clean-after.jsonl")
     clean = clean_reference(before, after)
     return {
-        "stalled_rcvbuf_bytes": rcvbuf_bytes or "default",
+        "variant": variant.name,
         "configurations": [*rows, after],
         "clean_reference": clean,
         **{f"{row['configuration']}_vs_clean": ratios(row, clean) for row in rows[1:]},
     }
 
 
-def buffer_name(rcvbuf_bytes: int) -> str:
-    return f"{rcvbuf_bytes // 1024}k" if rcvbuf_bytes else "default"
-
-
 def measure() -> dict[str, Any]:
-    """REPEATS repetitions for each stalled buffer, each in a fresh stack; the ratios as
-    median and range."""
+    """REPEATS repetitions for each variant, each in a fresh engine; the ratios as median and
+    range."""
     runs: dict[str, list[dict[str, Any]]] = {}
     for index in range(REPEATS):
-        for rcvbuf_bytes in STALLED_BUFFERS:
-            name = buffer_name(rcvbuf_bytes)
-            print(f"repetition {index + 1} of {REPEATS}, {name} stalled buffers", flush=True)
-            runs.setdefault(name, []).append(repetition(rcvbuf_bytes))
+        for variant in VARIANTS:
+            print(f"repetition {index + 1} of {REPEATS}, {variant.label}", flush=True)
+            runs.setdefault(variant.name, []).append(repetition(variant))
     summary = {
-        f"{name}_{side}_{ratio}": spread([run[f"{side}_vs_clean"][ratio] for run in buffer_runs])
-        for name, buffer_runs in runs.items()
+        f"{name}_{side}_{ratio}": spread([run[f"{side}_vs_clean"][ratio] for run in variant_runs])
+        for name, variant_runs in runs.items()
         for side in SIDES
         for ratio in ("throughput_ratio", "ttft_p99_ratio")
     }
     return {
         "engine_args": list(ENGINE_ARGS),
+        "variants": {v.name: {**v.__dict__, "engine_args": list(v.engine_args)} for v in VARIANTS},
         "prompt_bytes": len(PROMPT.encode()),
         "healthy_max_tokens": HEALTHY_MAX_TOKENS,
-        "stalled_max_tokens": {buffer_name(b): t for b, t in STALLED_BUFFERS.items()},
-        "stall_seconds": STALL_SECONDS,
-        "park_seconds": PARK_SECONDS,
+        "agent_args": {side: agent_args(side) for side in SIDES},
         "stalled_share_of_requests": STALLED_SHARE,
-        "min_reader_bytes_per_second": DEFAULT_MIN_READER_BYTES_PER_SECOND,
         "repetitions": runs,
         "summary": summary,
         "targets": {
@@ -306,7 +362,8 @@ def measure() -> dict[str, Any]:
         "met": {
             f"{name}_{side}": targets_met(summary, f"{name}_{side}")
             for name in runs
-            for side in ("cut", "park")
+            for side in SIDES
+            if side != "off"
         },
     }
 
@@ -329,29 +386,59 @@ def plot(result: dict[str, Any]) -> None:
 
     names = list(result["repetitions"])
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    colours = {"off": "tab:red", "cut": "tab:olive", "park": "tab:green"}
+    colours = {"off": "tab:red", "cut": "tab:olive", "park": "tab:blue", "paced": "tab:green"}
+    width = 0.2
     for axis, ratio, target, label in (
         (axes[0], "throughput_ratio", TARGET_THROUGHPUT_RATIO, "target: 90% of clean"),
         (axes[1], "ttft_p99_ratio", TARGET_TTFT_P99_RATIO, "target: 1.5x clean"),
     ):
         for group, name in enumerate(names):
-            for offset, side in zip((-0.27, 0.0, 0.27), SIDES, strict=True):
+            for index, side in enumerate(SIDES):
                 values = [run[f"{side}_vs_clean"][ratio] for run in result["repetitions"][name]]
-                axis.bar(group + offset, statistics.median(values), width=0.27,
-                         color=colours[side], label=side if group == 0 else None)  # fmt: skip
-                axis.plot([group + offset] * len(values), values, "k.", markersize=4)
+                x = group + (index - 1.5) * width
+                axis.bar(x, statistics.median(values), width=width, color=colours[side],
+                         label=side if group == 0 else None)  # fmt: skip
+                axis.plot([x] * len(values), values, "k.", markersize=4)
         axis.axhline(target, color="black", linestyle="--", label=label)
-        axis.set_xticks(range(len(names)), [f"stalled clients: {n} buffer" for n in names])
+        labels = [result["variants"][n]["label"].replace(", ", "\n", 1) for n in names]
+        axis.set_xticks(range(len(names)), labels, fontsize=7)
         axis.legend(fontsize=8)
     axes[0].set_ylabel("healthy tokens/s, ratio to clean (median, dots: runs)")
     axes[1].set_ylabel("healthy TTFT p99, ratio to clean")
     axes[1].set_yscale("log")
     fig.suptitle(
-        f"{HEALTHY_CLIENTS} healthy clients + 25% stalled requests, {KV_BLOCKS}-block KV pool, "
-        f"park {PARK_SECONDS:g} s, {REPEATS} repetitions"
+        f"{HEALTHY_CLIENTS} healthy clients + 25% of requests whose reader stops, "
+        f"{KV_BLOCKS}-block KV pool, {REPEATS} repetitions"
     )
     fig.tight_layout()
     fig.savefig(RESULTS / "rescue.png", dpi=100)
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The docs' table: per variant and configuration, the ratios to clean (median and range
+    over the repetitions) and what the agent did (medians)."""
+    lines = [
+        "| buffers | agent | healthy throughput vs clean | healthy TTFT p99 vs clean | tokens "
+        "decoded for stopped readers | pauses / parks / cuts |",
+        "|---|---|---|---|---|---|",
+    ]
+    summary = result["summary"]
+    for name, runs in result["repetitions"].items():
+        for side in SIDES:
+            throughput = summary[f"{name}_{side}_throughput_ratio"]
+            ttft = summary[f"{name}_{side}_ttft_p99_ratio"]
+            rows = [r for run in runs for r in run["configurations"] if r["configuration"] == side]
+
+            def median(key: str, found: list[dict[str, Any]] = rows) -> float:
+                return statistics.median(r[key] for r in found)
+
+            lines.append(
+                f"| {name} | {side} | {throughput['median']:.0%} ({throughput['min']:.0%}-"
+                f"{throughput['max']:.0%}) | x{ttft['median']:.2f} ({ttft['min']:.2f}-"
+                f"{ttft['max']:.2f}) | {median('stalled_tokens_decoded'):.0f} | "
+                f"{median('pauses'):.0f} / {median('parks'):.0f} / {median('cancels'):.0f} |"
+            )
+    return lines
 
 
 def main() -> None:
@@ -359,8 +446,8 @@ def main() -> None:
     path = write_result("rescue", result)
     plot(result)
     print(
-        "buffer   configuration  healthy tok/s  TTFT p50  TTFT p99 (ms)  mean KV blocks  "
-        "waiting  stalls  parks  cancels"
+        "variant  configuration  healthy tok/s  TTFT p50  TTFT p99 (ms)  mean KV blocks  "
+        "waiting  stopped  decoded  pauses  parks  cuts"
     )
     for name, runs in result["repetitions"].items():
         for row in (row for run in runs for row in run["configurations"]):
@@ -368,19 +455,10 @@ def main() -> None:
                 f"{name:<9}{row['configuration']:<15}{row['healthy_tokens_per_second']:>13}"
                 f"{row['healthy_ttft_p50_ms']:>10}{row['healthy_ttft_p99_ms']:>15}"
                 f"{row['mean_kv_blocks_used']:>16}{row['mean_requests_waiting']:>9}"
-                f"{row['stalled_requests']:>8}{row['parks']:>7}{row['cancels']:>9}"
+                f"{row['stalled_requests']:>9}{row['stalled_tokens_decoded']:>9}"
+                f"{row['pauses']:>8}{row['parks']:>7}{row['cancels']:>6}"
             )
-    summary = result["summary"]
-    for name in result["repetitions"]:
-        for side in ("cut", "park"):
-            throughput = summary[f"{name}_{side}_throughput_ratio"]
-            ttft = summary[f"{name}_{side}_ttft_p99_ratio"]
-            print(
-                f"{name} buffers, {side} vs clean, median of {REPEATS}: throughput "
-                f"{throughput['median']:.0%} ({throughput['min']:.0%}-{throughput['max']:.0%}; "
-                f"target >= 90%), TTFT p99 x{ttft['median']} ({ttft['min']}-{ttft['max']}; "
-                "target <= 1.5)"
-            )
+    print("\n".join(table(result)))
     print(f"written to {path}")
 
 

@@ -1,8 +1,12 @@
 """Stall-to-free latency: from the moment a stream crosses the stall threshold to the engine's
 acknowledgement that it freed the request's KV blocks, over many stalls.
 
-The reference engine (coupled egress, small send buffers) and the agent (enforce, cancel)
-run as processes. Three phases, side by side in one run:
+The reference engine (the tiny model, coupled egress, its default 64 KiB send buffer) and the
+agent (enforce, cancel, with pause and park off: this is the cut's own latency; a reader that
+stops is paused and parked long before its stall is proven, which bench/bench_paced.py
+measures) run as processes. The clients that stop have a 4 KB receive buffer (a labelled
+variant: with the kernel's default buffers a stall and its proof come only once a long answer
+has filled them, bench/bench_paced.py's "cut" rows). Three phases, side by side in one run:
 - spread_idle_engine: stalled clients arrive at random (Poisson, STALLS_PER_SECOND), each
   stops reading after its first token and waits for its reset; nothing else runs;
 - spread_busy_engine: the same beside healthy clients (the engine's step must end before
@@ -203,6 +207,10 @@ def measure() -> dict[str, Any]:
             "0",
             "--max-cancels-per-minute",
             "100000",
+            "--pause",
+            "off",
+            "--park",
+            "off",
         )
         stack.wait_engine_connected()
         phases = [

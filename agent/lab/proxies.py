@@ -29,7 +29,12 @@ START_SECONDS = 10.0
 SMALL_SNDBUF_BYTES = 16384
 
 
-def nginx_config(workdir: Path, port: int, upstream_port: int, small_buffers: bool) -> str:
+def nginx_config(
+    workdir: Path, port: int, upstream_port: int, small_buffers: bool, buffering: bool = False
+) -> str:
+    """nginx as its SSE users configure it (`proxy_buffering off`), or with `buffering`, as
+    it comes (nginx's default, `proxy_buffering on`: it reads the upstream's response as fast
+    as it comes, into memory and a temporary file, whatever its client reads)."""
     temp = workdir / "nginx-temp"
     sndbuf = f" sndbuf={SMALL_SNDBUF_BYTES}" if small_buffers else ""
     return f"""
@@ -57,7 +62,7 @@ http {{
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
-            proxy_buffering off;
+            proxy_buffering {"on" if buffering else "off"};
             proxy_read_timeout 3600s;
             proxy_send_timeout 3600s;
             send_timeout 3600s;
@@ -114,11 +119,18 @@ class Proxy:
 
 
 def start_proxy(
-    name: str, workdir: Path, upstream_port: int, small_buffers: bool, upstream_rcvbuf: int = 0
+    name: str,
+    workdir: Path,
+    upstream_port: int,
+    small_buffers: bool,
+    upstream_rcvbuf: int = 0,
+    buffering: bool = False,
 ) -> Proxy:
     """Starts `name` in front of 127.0.0.1:`upstream_port`; returns once it accepts.
-    `upstream_rcvbuf` (haproxy only) bounds its upstream socket's receive buffer."""
+    `upstream_rcvbuf` (haproxy only) bounds its upstream socket's receive buffer;
+    `buffering` (nginx only) turns its response buffering on (nginx_config)."""
     assert name == "haproxy" or not upstream_rcvbuf, f"{name} has no upstream_rcvbuf setting here"
+    assert name == "nginx" or not buffering, f"{name} has no buffering setting here"
     binary = shutil.which(name) or f"/usr/sbin/{name}"
     if not Path(binary).exists():
         raise AssertionError(f"{name} is not installed: run scripts/setup.sh")
@@ -126,7 +138,7 @@ def start_proxy(
     config = workdir / f"{name}.conf"
     if name == "nginx":
         (workdir / "nginx-temp").mkdir(exist_ok=True)
-        config.write_text(nginx_config(workdir, port, upstream_port, small_buffers))
+        config.write_text(nginx_config(workdir, port, upstream_port, small_buffers, buffering))
         command = [
             binary,
             "-c",

@@ -430,7 +430,7 @@ def table(result: dict[str, Any]) -> list[str]:
             rows = [r for run in runs for r in run["configurations"] if r["configuration"] == side]
 
             def median(key: str, found: list[dict[str, Any]] = rows) -> float:
-                return statistics.median(r[key] for r in found)
+                return float(statistics.median(r[key] for r in found))
 
             lines.append(
                 f"| {name} | {side} | {throughput['median']:.0%} ({throughput['min']:.0%}-"

@@ -42,7 +42,7 @@ ENGINE_ID = re.compile(rb'"id": "(cmpl-[0-9a-f]+)"')
 def middlewares() -> Iterator[Callable[..., Middleware]]:
     built: list[Middleware] = []
 
-    def build(app: SseApp | PingingSseApp, socket_path: str, **options: int) -> Middleware:
+    def build(app: SseApp | PingingSseApp, socket_path: str, **options: Any) -> Middleware:
         middleware = Middleware(
             app.app,
             socket_path=socket_path,

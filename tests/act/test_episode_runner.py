@@ -173,9 +173,13 @@ def streaming(key: int = 7, unread: int = 0, at_ns: int | None = None) -> Socket
 
 
 def metered(runner: EpisodeRunner, sample: SocketSample) -> None:
-    """Lets the runner's flow meter measure the stream at RATE over the second before."""
+    """Lets the runner's flow meter measure the stream at RATE over the second before, its
+    reader reading none of it: its kernel acknowledged RATE bytes and its window shrank by as
+    much (its right edge stood still)."""
     earlier = sample.with_changes(
-        observed_ns=sample.observed_ns - S, bytes_acked=sample.bytes_acked - RATE
+        observed_ns=sample.observed_ns - S,
+        bytes_acked=sample.bytes_acked - RATE,
+        peer_rwnd=min(WINDOW, sample.peer_rwnd + RATE),
     )
     runner.meter.note(earlier)
     runner.meter.note(sample)

@@ -5,7 +5,13 @@ reader that read everything is caught up; one that never read is not."""
 from __future__ import annotations
 
 from kvwatch.sockets import SocketSample
-from kvwatch.streams.backlog import WINDOW_STEADY_NS, Backlog, FlowMeter
+from kvwatch.streams.backlog import (
+    READING_NS,
+    READING_SHORTFALL_SHARE,
+    WINDOW_STEADY_NS,
+    Backlog,
+    FlowMeter,
+)
 from tests.act.test_episode_runner import WINDOW, streaming
 
 SHRUNK = 20_000  # what the window's largest size lost (85-95 KB of 1 MB on loopback)
@@ -67,3 +73,27 @@ def test_a_backlog_at_a_rate_decayed_to_almost_nothing_shows_no_seconds() -> Non
     stopped = Backlog(window_shortfall=4096, in_flight=0, unsent=201380, rate=7.5e-7)
     assert stopped.to_json()["seconds"] is None
     assert Backlog(4096, 0, 4096, rate=4096.0).to_json()["seconds"] == 2.0
+
+
+def test_a_reader_that_reads_is_not_behind_by_its_kernels_bookkeeping_one_that_stopped_is() -> None:
+    """Behind haproxy on a busy engine a reader that read everything offered 91 KB of its
+    once 101 KB window; while its right edge moves, such a shortfall is not counted. Once it
+    stops (the edge stands still) all of it is, READING_NS after its last read."""
+    meter = FlowMeter()
+    bookkeeping = WINDOW // READING_SHORTFALL_SHARE
+    start = streaming(unread=0, at_ns=T0)
+    meter.note(start)
+    # It read what came: acknowledged 10 KB more and offers a window 6 KB below its largest.
+    reading = start.with_changes(
+        observed_ns=T0 + STEP_NS, bytes_acked=start.bytes_acked + 10_000, peer_rwnd=WINDOW - 6000
+    )
+    meter.note(reading)
+    assert meter.backlog(reading).window_shortfall == max(0, 6000 - bookkeeping)
+    # It stops: its kernel acknowledges 4 KB more and the window shrinks by as much.
+    stopped = reading.with_changes(
+        observed_ns=reading.observed_ns + READING_NS + 1,
+        bytes_acked=reading.bytes_acked + 4096,
+        peer_rwnd=WINDOW - 6000 - 4096,
+    )
+    meter.note(stopped)
+    assert meter.backlog(stopped).window_shortfall == 6000 + 4096

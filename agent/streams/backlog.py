@@ -133,8 +133,8 @@ class _Flow:
     edge_moved_ns: int = 0
 
     def note_right_edge(self, sample: SocketSample) -> None:
-        """Notes when the reader's right edge (acknowledged bytes plus window) last moved."""
-        edge = sample.bytes_acked + max(sample.peer_rwnd, 0)
+        """Notes when the reader's right edge last moved."""
+        edge = right_edge(sample)
         if edge > self.right_edge:
             self.right_edge, self.edge_moved_ns = edge, sample.observed_ns
 
@@ -159,6 +159,11 @@ class _Flow:
         steady = sample.observed_ns - self.steady_since_ns >= WINDOW_STEADY_NS
         if rose and steady and not sample.unacked_bytes:
             self.ceiling = window
+
+
+def right_edge(sample: SocketSample) -> int:
+    """How far the reader lets the server send: bytes acknowledged plus its window."""
+    return sample.bytes_acked + max(sample.peer_rwnd, 0)
 
 
 def written_bytes(sample: SocketSample) -> int:
@@ -189,7 +194,7 @@ class FlowMeter:
                 sample,
                 0.0,
                 sample.peer_rwnd,
-                right_edge=sample.bytes_acked + max(sample.peer_rwnd, 0),
+                right_edge=right_edge(sample),
             )
             self._keys[(sample.local, sample.remote)] = sample.key
             return

@@ -17,6 +17,9 @@ from kvwatch.lab.waiting import wait_for
 
 CALL_SECONDS = 30.0
 BACKED_UP_SECONDS = 0.5  # no new token for this long: a generation waits for its client
+# Every stream fills its client's and its server's buffers before it waits: the bound grows
+# with the streams (200 of them, 4 KiB events, took over 30 s in CI's parallel suite).
+BACKED_UP_SECONDS_PER_STREAM = 0.5
 _T = TypeVar("_T")
 
 
@@ -82,7 +85,8 @@ class HookServerThread:
             quiet = time.monotonic() - since[0] >= BACKED_UP_SECONDS
             return list(streams.values()) if quiet else None
 
-        return wait_for(settled, CALL_SECONDS, f"{count} streams whose clients read no more", 0.05)
+        bound = CALL_SECONDS + count * BACKED_UP_SECONDS_PER_STREAM
+        return wait_for(settled, bound, f"{count} streams whose clients read no more", 0.05)
 
     def command(self, name: str, request_id: str) -> CommandOutcome:
         """Sends the hook command `name` (cancel, detach ...) as the agent would, and waits."""

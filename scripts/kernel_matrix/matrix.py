@@ -21,7 +21,7 @@ HOST_ROW = "host"
 ROWS = (HOST_ROW, *(spec.name for spec in DEBIAN_KERNELS))
 HOST_TIMEOUT_SECONDS = 120.0
 # One guest CPU, emulated: 6.1 ~320 s and 6.12 ~170 s side by side; more beside make test's rest.
-VM_TIMEOUT_SECONDS = 900.0
+VM_TIMEOUT_SECONDS = 1200.0
 OUTPUT_TAIL_CHARS = 3000
 # A VM run that ends this fast without results never reached the guest's tests (virtme-ng or
 # qemu failed to start: once in CI, exit 255 after 6 s, no output). It is tried once more.

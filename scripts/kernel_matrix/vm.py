@@ -85,9 +85,12 @@ def accelerator() -> str:
     return "kvm" if usable and flags & {"vmx", "svm"} else "tcg"
 
 
-def pytest_command(results_file: Path) -> list[str]:
+def pytest_command(results_file: Path, test_timeout_seconds: float) -> list[str]:
+    """pytest over the guest modules; each test is bounded by `test_timeout_seconds` (the
+    run's own budget: BCC's compile alone took over 300 s in an emulated guest under load)."""
     return [
         sys.executable, "-m", "pytest", "-p", "pytest_timeout", "-p", "no:cacheprovider",
+        "-o", f"timeout={int(test_timeout_seconds)}",
         "-q", "-rfE", *GUEST_MODULES, "--matrix-results", str(results_file),
     ]  # fmt: skip
 
@@ -128,7 +131,7 @@ def run(command: list[str], timeout_seconds: float, env: dict[str, str]) -> Run:
 
 
 def run_on_host(results_file: Path, timeout_seconds: float) -> Run:
-    return run(pytest_command(results_file), timeout_seconds, PYTEST_ENV)
+    return run(pytest_command(results_file, timeout_seconds), timeout_seconds, PYTEST_ENV)
 
 
 def run_in_vm(tree: KernelTree, results_file: Path, timeout_seconds: float) -> Run:
@@ -138,5 +141,5 @@ def run_in_vm(tree: KernelTree, results_file: Path, timeout_seconds: float) -> R
     if tree.headers is not None:
         forwarded[HEADERS_ENV] = GUEST_HEADERS
     env_words = ["env", *(f"{key}={value}" for key, value in {**PYTEST_ENV, **forwarded}.items())]
-    guest = [*env_words, *pytest_command(results_file)]
+    guest = [*env_words, *pytest_command(results_file, timeout_seconds)]
     return run(vng_command(tree, results_file.parent, guest), timeout_seconds, {})

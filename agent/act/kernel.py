@@ -1,7 +1,7 @@
 """Kernel work on one socket — the kernel's view of it and its reset with SOCK_DESTROY (netlink,
 in its own network namespace), and the keepalive probes that ask a held stream's reader for
 its window — on the one worker thread that may switch namespaces (setns changes the calling
-thread only; pyroute2 cannot run inside the event loop)."""
+thread only; sock_diag calls block, so never inside the event loop)."""
 
 from __future__ import annotations
 

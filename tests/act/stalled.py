@@ -89,7 +89,7 @@ class StalledConnections:
 
 def kernel_view(local: Endpoint, remote: Endpoint) -> DiagEntry:
     """sock_diag's view of the socket (on a thread of its own: tests call it from inside
-    their event loops, where pyroute2 cannot run)."""
+    their event loops, where sock_diag calls must not block)."""
     with concurrent.futures.ThreadPoolExecutor(1) as thread:
         entry = thread.submit(_find, local, remote).result()
     assert entry is not None, f"no socket {local} -> {remote}"

@@ -1,7 +1,7 @@
 """The sock_diag (netlink inet_diag) collector: snapshots, per-socket tracking, socket reset.
 
 It bootstraps sockets that existed before the BPF collector attached, and is the degraded
-collector when BPF cannot load. Everything here is blocking (pyroute2 runs its own loop): call
+collector when BPF cannot load. Everything here is blocking (it waits on the kernel): call
 it from a worker thread when inside asyncio.
 """
 

@@ -12,13 +12,18 @@ import enum
 import errno
 import os
 
-from pyroute2.netlink import NLM_F_ACK, NLM_F_REQUEST
-from pyroute2.netlink.diag import SOCK_DESTROY
-
-from kvwatch.collect.diag.snapshot import DiagClient, exact_request, netlink_failure
+from kvwatch.collect.diag.snapshot import (
+    NLM_F_ACK,
+    NLM_F_REQUEST,
+    DiagClient,
+    exact_request,
+    netlink_failure,
+)
 from kvwatch.collect.diag.wire import NLMSG_ERROR, nlmsg_errno, nlmsg_type
 from kvwatch.errors import KvwatchError
 from kvwatch.sockets import Endpoint
+
+SOCK_DESTROY = 21  # include/uapi/linux/sock_diag.h
 
 
 class DestroyResult(enum.Enum):

@@ -20,6 +20,7 @@ NLMSG_HEADER_BYTES = 16
 _NLMSG_HEADER = struct.Struct("=IHHII")  # length, type, flags, sequence, port id
 _NLMSG_ERRNO = struct.Struct("=i")
 NLMSG_ERROR = 2
+NLMSG_DONE = 3
 SOCK_DIAG_BY_FAMILY = 20
 # struct inet_diag_msg: family, state, timer, retrans, sport, dport (big endian), src[16],
 # dst[16], if, cookie[2], expires, rqueue, wqueue, uid, inode.
@@ -186,6 +187,20 @@ def parse_attributes(raw: bytes) -> dict[int, bytes]:
         attributes.setdefault(kind & _NLA_TYPE_MASK, raw[offset + _RTATTR.size : offset + length])
         offset += (length + 3) & ~3
     return attributes
+
+
+def split_messages(datagram: bytes) -> list[bytes]:
+    """The netlink messages of one datagram, each with its header, as its length says; a
+    message cut short (its length past the datagram's end, or below a header) ends it."""
+    messages: list[bytes] = []
+    offset = 0
+    while offset + NLMSG_HEADER_BYTES <= len(datagram):
+        length = _NLMSG_HEADER.unpack_from(datagram, offset)[0]
+        if length < NLMSG_HEADER_BYTES or offset + length > len(datagram):
+            break
+        messages.append(datagram[offset : offset + length])
+        offset += (length + 3) & ~3
+    return messages
 
 
 def nlmsg_type(message: bytes) -> int:

@@ -15,8 +15,10 @@ from kvwatch.collect.diag.wire import (
     DIAG_EXTENSIONS,
     INET_DIAG_INFO,
     INET_DIAG_MSG_BYTES,
+    NLMSG_DONE,
     NLMSG_ERROR,
     NLMSG_HEADER_BYTES,
+    SOCK_DIAG_BY_FAMILY,
     TCP_INFO_MIN_BYTES,
     cookie_from_halves,
     nlmsg_errno,
@@ -25,6 +27,7 @@ from kvwatch.collect.diag.wire import (
     parse_inet_diag_msg,
     parse_sk_meminfo,
     parse_tcp_info,
+    split_messages,
 )
 from kvwatch.errors import KvwatchError, PrivilegeError
 from kvwatch.sockets import Endpoint
@@ -123,3 +126,16 @@ def test_netlink_error_messages() -> None:
 
 def test_cookie_halves() -> None:
     assert cookie_from_halves(0x89ABCDEF, 0x01234567) == 0x0123456789ABCDEF
+
+
+def test_a_datagram_splits_into_its_messages_and_a_cut_one_ends_it() -> None:
+    """Messages back to back, each padded to 4 bytes; a header whose length runs past the
+    datagram (or is shorter than a header) ends the split instead of reading beyond."""
+    header = struct.Struct("=IHHII")
+    first = header.pack(16 + 3, SOCK_DIAG_BY_FAMILY, 2, 7, 0) + b"abc"
+    second = header.pack(16, NLMSG_DONE, 2, 7, 0)
+    datagram = first + b"\0" + second
+    assert split_messages(datagram) == [first, second]
+    assert [nlmsg_type(m) for m in split_messages(datagram)] == [SOCK_DIAG_BY_FAMILY, NLMSG_DONE]
+    assert split_messages(first + b"\0" + header.pack(64, NLMSG_DONE, 2, 7, 0)) == [first]
+    assert split_messages(header.pack(8, NLMSG_DONE, 2, 7, 0)) == []

@@ -13,9 +13,13 @@ from click.core import ParameterSource
 from kvwatch.collect.bpf.loader import SEND_MODES
 from kvwatch.collect.collectors import BACKENDS
 from kvwatch.config.load import load_config, parse_flag
-from kvwatch.config.schema import DEFAULT_MIN_READER_BYTES_PER_SECOND, RANGES, AgentConfig
+from kvwatch.config.schema import (
+    DEFAULT_AGENT_URL,
+    DEFAULT_MIN_READER_BYTES_PER_SECOND,
+    RANGES,
+    AgentConfig,
+)
 from kvwatch.streams.states import StreamState
-from kvwatch.tools.client import DEFAULT_AGENT_URL, agent_url
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,14 +39,18 @@ def setting_option(*decls: str, key: str, help: str, **kwargs: Any) -> Callable[
     return click.option(*decls, callback=check, help=shown, **kwargs)
 
 
+def _checked_url(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    # The HTTP client (~9 MB resident) is imported by the commands that read an agent,
+    # never by `kvwatch run` itself.
+    from kvwatch.tools.client import agent_url
+
+    return agent_url(value)
+
+
 def agent_url_option(help: str) -> Callable[[F], F]:
     """--url: the agent's HTTP API, checked (kvwatch.tools.client.agent_url) before use."""
     return click.option(
-        "--url",
-        default=DEFAULT_AGENT_URL,
-        show_default=True,
-        callback=lambda _ctx, _param, value: agent_url(value),
-        help=help,
+        "--url", default=DEFAULT_AGENT_URL, show_default=True, callback=_checked_url, help=help
     )
 
 

@@ -104,11 +104,16 @@ class HookConfig:
     allowed_uids: tuple[int, ...] = (0,)
 
 
+DEFAULT_LISTEN = "127.0.0.1:9431"
+# Where the commands that read a running agent look for it by default.
+DEFAULT_AGENT_URL = f"http://{DEFAULT_LISTEN}"
+
+
 @dataclass(frozen=True)
 class HttpConfig:
     """The agent's HTTP API and /metrics."""
 
-    listen: str = "127.0.0.1:9431"
+    listen: str = DEFAULT_LISTEN
 
     @property
     def host(self) -> str:

@@ -23,7 +23,6 @@ import httpx
 from kvwatch.errors import ConfigError, KvwatchError, quoted
 from kvwatch.hookwire.protocol import MAX_ID_CHARS
 
-DEFAULT_AGENT_URL = "http://127.0.0.1:9431"
 MAX_URL_CHARS = 2048
 # A /api/v1/sockets answer of a node at collector.max_sockets' default is a few MB.
 MAX_ANSWER_BYTES = 256 << 20

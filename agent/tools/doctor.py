@@ -28,11 +28,11 @@ from kvwatch.collect.bpf.loader import (
     object_path,
 )
 from kvwatch.collect.gpu import GpuInventory
-from kvwatch.config.schema import HookConfig
+from kvwatch.config.schema import DEFAULT_AGENT_URL, HookConfig
 from kvwatch.daemon.preflight import procfs_problem
 from kvwatch.errors import KvwatchError, quoted
 from kvwatch.tools.baseline import parse_sysctl_numbers, read_sysctl
-from kvwatch.tools.client import DEFAULT_AGENT_URL, get_json
+from kvwatch.tools.client import get_json
 from kvwatch.tools.tables import human_bytes
 
 Status = Literal["ok", "warn", "fail", "info"]

@@ -35,7 +35,7 @@ HOOK_PACKAGE = "kvwatch.hook"
 AGENT_DEPENDENCIES = (
     "click",
     "rich",
-    "pyroute2",
+    "numpy",
     "prometheus_client",
     "psutil",
     "pynvml",

@@ -4,23 +4,20 @@ often as the judge needs.
 A record is unpacked by one `struct.Struct` derived from the ctypes mirror
 (`layout.KvSockRecord`, itself checked against the object's BTF), so the two cannot drift.
 
-`SampleCache` keeps, per socket key, a sample and what the newest record looked like (two
-hashes, not the bytes: a large table costs little beyond its samples). A read of the whole
-table makes a new sample only for a record that changed, and not even then while the change
-is only the flow of a healthy, idle socket (`FLOW_FIELDS` moved; no back-pressure, nothing
-pending and the peer's window near its largest, before and after): such a socket keeps its
-sample for up to `FLOW_REFRESH_NS`, so a stream that is between tokens at each read costs two
-hashes, not a conversion. Everything the judge reads of a socket under back-pressure, with
-data pending, whose reader holds unread bytes (its window `SHORTFALL_BYTES` below its
-largest), or whose state, owner, episodes or feeder changed is always as of this read.
+`SampleCache` keeps the newest table (as 32-bit words) and, aligned with its rows, each
+socket's sample and what the cache knows of it. A read of the whole table makes a new sample
+only for a record that changed, and not even then while the change is only the flow of a
+healthy, idle socket (`FLOW_FIELDS` moved; no back-pressure, nothing pending and the peer's
+window near its largest, before and after): such a socket keeps its sample for up to
+`FLOW_REFRESH_NS`, so a stream that is between tokens at each read costs a share of a few
+vectorised comparisons over the whole table, not a conversion, nor a Python step of its own.
+Everything the judge reads of a socket under back-pressure, with data pending, whose reader
+holds unread bytes (its window `SHORTFALL_BYTES` below its largest), or whose state, owner,
+episodes or feeder changed is always as of this read.
 
 The flow is the record's tail (kvwatch.h lays it out so; `judged_end` checks it at import),
-so the part the judge reads is one range of bytes: telling a flow-only change costs one
-hash of that range, with no unpacking.
-
-The hashes are Python's (SipHash, 64 bits, keyed per process): two different records hash
-alike about once in 2^64 comparisons, which would hold a sample back until its record's
-next change.
+so the part the judge reads is one range of words: telling a flow-only change is one
+comparison of that range, with no unpacking.
 """
 
 from __future__ import annotations
@@ -29,6 +26,8 @@ import collections
 import ctypes
 import struct
 from typing import Any
+
+import numpy as np
 
 from kvwatch.collect.bpf.layout import KvSockRecord
 from kvwatch.sockets import TCP_CLOSE, Endpoint, Feeder, SocketSample
@@ -116,12 +115,6 @@ def named_tuple(name: str, fields: list[str]) -> Any:
 RECORD_FORMAT, RECORD_FIELDS = struct_format(KvSockRecord)
 RECORD = struct.Struct("<" + RECORD_FORMAT)
 RecordValues = named_tuple("RecordValues", RECORD_FIELDS)
-UNREAD = struct.Struct(
-    "<"
-    + struct_format(
-        KvSockRecord, frozenset({"snd_una", "write_seq", "peer_rwnd", "peer_rwnd_max"})
-    )[0]
-)
 # A window this far below the largest its peer advertised holds unread bytes the judge of
 # a reader's backlog reads (kvwatch.streams.backlog): such a record is as of every read.
 SHORTFALL_BYTES = 4096
@@ -240,74 +233,119 @@ def sample_from_raw(
     )
 
 
-class CachedSample:
-    """A socket's sample and what its newest record looked like: the hash of all of it and
-    of its judged part (the bytes before JUDGED_END); whether the sample was idle and healthy;
-    `lagging` while the sample lags flow-only changes of that record (see the module's
-    docstring). Private to one SampleCache, which updates it in place."""
-
-    __slots__ = ("idle", "judged_hash", "lagging", "record_hash", "sample")
-
-    def __init__(self, record_hash: int, judged_hash: int, sample: SocketSample) -> None:
-        self.record_hash = record_hash
-        self.judged_hash = judged_hash
-        self.sample = sample
-        self.idle = idle_and_healthy(sample)
-        self.lagging = False
-
-
 def idle_and_healthy(sample: SocketSample) -> bool:
     """Nothing pending, no back-pressure, and no unread backlog at the peer to speak of."""
     shortfall = sample.peer_rwnd + SHORTFALL_BYTES < sample.peer_rwnd_max
     return not (sample.pending_bytes or sample.zero_window or sample.sndbuf_full or shortfall)
 
 
+def _word(offset: int) -> int:
+    """The 32-bit word of a record at byte `offset` (a multiple of 4: kvwatch.h aligns
+    every member the cache reads as a word, and the record's size, so)."""
+    if offset % 4:
+        raise ValueError(f"struct kv_sock_record: byte {offset} is not on a 32-bit word")
+    return offset // 4
+
+
+RECORD_WORDS = _word(RECORD.size)
+JUDGED_WORDS = _word(JUDGED_END)
+SND_UNA_WORD, WRITE_SEQ_WORD, PEER_RWND_WORD, PEER_RWND_MAX_WORD = (
+    _word(getattr(KvSockRecord, name).offset)
+    for name in ("snd_una", "write_seq", "peer_rwnd", "peer_rwnd_max")
+)
+
+
+def _last_of_each_key(keys: np.ndarray) -> np.ndarray | None:
+    """Row indices keeping, for a key read twice (a record moved while the table was
+    read), its last row, in table order; None when every key is read once."""
+    ordered = np.sort(keys)
+    if not (ordered[1:] == ordered[:-1]).any():
+        return None
+    _, first_from_end = np.unique(keys[::-1], return_index=True)
+    return np.sort(len(keys) - 1 - first_from_end)
+
+
 class SampleCache:
     """Samples of every tracked socket, made again only when the judge needs them (module
-    docstring). Owned by one collector; one thread."""
+    docstring). The newest table, each row's sample, when it was made, whether it was idle
+    and healthy, and whether it lags its record are kept as arrays aligned with that table's
+    rows, so a read decides what to keep in a few vectorised passes over the whole table and
+    runs Python only for the records that need a new sample. Owned by one collector; one
+    thread."""
 
     def __init__(self) -> None:
-        self._cached: dict[int, CachedSample] = {}
+        self._keys = np.zeros(0, dtype="<u8")
+        self._words = np.zeros((0, RECORD_WORDS), dtype="<u4")
+        self._observed = np.zeros(0, dtype=np.int64)
+        self._idle = np.zeros(0, dtype=bool)
+        self._lagging = np.zeros(0, dtype=bool)
+        self._samples = np.zeros(0, dtype=object)
         self._endpoints = EndpointCache()
 
     def update(self, records: bytes, now_ns: int) -> list[SocketSample]:
         """Samples of a read of the whole table (records back to back); records of sockets
         closing as the table was read are left out (their close event removes them)."""
-        view = memoryview(records)
-        size = RECORD.size
-        # Each record starts with its socket's address: every key in one strided view.
-        keys = view.cast("Q")[:: size // 8].tolist()
-        previous = self._cached
-        cached: dict[int, CachedSample] = {}
-        for index, key in enumerate(keys):
-            offset = index * size
-            if records[offset + TCP_STATE_OFFSET] == TCP_CLOSE:
-                continue
-            raw = view[offset : offset + size]
-            entry = previous.get(key)
-            if entry is None or not self._kept(entry, raw, now_ns):
-                entry = CachedSample(hash(raw), hash(raw[:JUDGED_END]), self._sample(raw, now_ns))
-            cached[key] = entry
-        self._cached = cached
-        return [entry.sample for entry in cached.values()]
+        table = np.frombuffer(records, dtype=np.uint8).reshape(-1, RECORD.size)
+        closing = table[:, TCP_STATE_OFFSET] == TCP_CLOSE
+        if closing.any():
+            table = table[~closing]
+        keys = table[:, :8].copy().view("<u8").ravel()
+        if not np.array_equal(keys, self._keys) and (last := _last_of_each_key(keys)) is not None:
+            table, keys = table[last], keys[last]
+        words = table.view("<u4")
+        if not len(self._keys):
+            kept, lagging, idle = (np.zeros(len(keys), dtype=bool) for _ in range(3))
+            observed = np.full(len(keys), now_ns, dtype=np.int64)
+            samples = np.full(len(keys), None, dtype=object)
+        else:
+            previous, matched = self._match(keys)
+            kept, lagging = self._kept(words, previous, matched, now_ns)
+            observed = np.where(kept, self._observed[previous], now_ns)
+            idle = np.where(kept, self._idle[previous], False)
+            samples = self._samples[previous].copy()  # the rows not kept are made below
+        view, size = memoryview(table.reshape(-1)), RECORD.size
+        for index in np.flatnonzero(~kept).tolist():
+            raw = view[index * size : (index + 1) * size]
+            sample = sample_from_raw(raw, now_ns, self._endpoints)
+            samples[index] = sample
+            idle[index] = idle_and_healthy(sample)
+        self._keys, self._words, self._observed = keys, words, observed
+        self._idle, self._lagging, self._samples = idle, lagging, samples
+        return samples.tolist()
 
-    @staticmethod
-    def _kept(entry: CachedSample, raw: memoryview, now_ns: int) -> bool:
-        """Whether `entry` still serves for `raw` (updating what it knows of the record):
-        the record is unchanged and its sample not lagging past FLOW_REFRESH_NS, or only its
-        flow moved on a socket idle and healthy at its sample and with nothing pending now."""
-        record_hash = hash(raw)
-        fresh = now_ns - entry.sample.observed_ns < FLOW_REFRESH_NS
-        if record_hash == entry.record_hash:
-            return fresh or not entry.lagging
-        if not (fresh and entry.idle and hash(raw[:JUDGED_END]) == entry.judged_hash):
-            return False
-        snd_una, write_seq, peer_rwnd, peer_rwnd_max = UNREAD.unpack(raw)
-        if snd_una != write_seq or peer_rwnd + SHORTFALL_BYTES < peer_rwnd_max:
-            return False
-        entry.record_hash = record_hash
-        entry.lagging = True
-        return True
+    def _match(self, keys: np.ndarray) -> tuple[np.ndarray | slice, np.ndarray | bool]:
+        """For each key, its row in the previous table (not empty; any row where it had
+        none) and whether it had one. The table in the same order as before (no socket
+        came or went) is every row its own."""
+        if np.array_equal(keys, self._keys):
+            return slice(None), True
+        order = np.argsort(self._keys, kind="stable")
+        slots = np.minimum(np.searchsorted(self._keys[order], keys), len(order) - 1)
+        previous = order[slots]
+        return previous, self._keys[previous] == keys
 
-    def _sample(self, raw: memoryview, now_ns: int) -> SocketSample:
-        return sample_from_raw(raw, now_ns, self._endpoints)
+    def _kept(
+        self,
+        words: np.ndarray,
+        previous: np.ndarray | slice,
+        matched: np.ndarray | bool,
+        now_ns: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Which rows keep their previous sample, and which of those lag their record: the
+        record is unchanged and its sample not lagging past FLOW_REFRESH_NS, or only its flow
+        moved on a socket idle and healthy at its sample and with nothing pending now."""
+        differs = words != self._words[previous]
+        unchanged = ~differs.any(axis=1)
+        judged_unchanged = ~differs[:, :JUDGED_WORDS].any(axis=1)
+        fresh = now_ns - self._observed[previous] < FLOW_REFRESH_NS
+        was_lagging = self._lagging[previous]
+        nothing_pending = words[:, SND_UNA_WORD] == words[:, WRITE_SEQ_WORD]
+        window = words[:, PEER_RWND_WORD].astype(np.int64) + SHORTFALL_BYTES
+        no_shortfall = window >= words[:, PEER_RWND_MAX_WORD]
+        kept_unchanged = matched & unchanged & (fresh | ~was_lagging)
+        kept_flow = (
+            matched & ~unchanged & fresh & self._idle[previous] & judged_unchanged
+            & nothing_pending & no_shortfall
+        )  # fmt: skip
+        lagging = kept_flow | (kept_unchanged & was_lagging)
+        return kept_unchanged | kept_flow, lagging

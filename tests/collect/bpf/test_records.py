@@ -61,7 +61,7 @@ def test_struct_decoding_agrees_with_the_ctypes_mirror() -> None:
 
 
 def test_the_flow_is_the_records_tail() -> None:
-    """What the judge reads is one range of bytes (the cache hashes it), so kvwatch.h keeps
+    """What the judge reads is one range of bytes (the cache compares it), so kvwatch.h keeps
     the flow fields last; a layout that breaks this is refused at import."""
     tail = [name for name, *_ in KvSockRecord._fields_][-len(FLOW_FIELDS) :]
     assert set(tail) == FLOW_FIELDS
@@ -193,3 +193,99 @@ def test_a_table_read_of_many_records() -> None:
         (records[0].sk, 40000),
         (records[2].sk, 40002),
     ]
+
+
+class OneByOne:
+    """The cache's rule, record by record (the module's docstring, written out): what a
+    vectorised read of the whole table must decide for each record."""
+
+    def __init__(self) -> None:
+        self.known: dict[int, tuple[bytes, int, bool, bool]] = {}  # raw, made at, idle, lagging
+
+    def made_again(self, records: list[KvSockRecord], now_ns: int) -> dict[int, bool]:
+        decided: dict[int, bool] = {}
+        known: dict[int, tuple[bytes, int, bool, bool]] = {}
+        for record in records:
+            raw = bytes(record)
+            if record.tcp_state == TCP_CLOSE:
+                continue
+            before = self.known.get(record.sk)
+            made = before is None or not self._kept(before, raw, now_ns)
+            if made:
+                sample = sample_from_raw(raw, now_ns)
+                shortfall = sample.peer_rwnd + 4096 < sample.peer_rwnd_max
+                idle = not (sample.pending_bytes or sample.zero_window or sample.sndbuf_full)
+                known[record.sk] = (raw, now_ns, idle and not shortfall, False)
+            else:
+                assert before is not None
+                lagging = before[3] or raw != before[0]
+                known[record.sk] = (raw, before[1], before[2], lagging)
+            decided[record.sk] = made
+        self.known = known
+        return decided
+
+    @staticmethod
+    def _kept(before: tuple[bytes, int, bool, bool], raw: bytes, now_ns: int) -> bool:
+        old, made_ns, idle, lagging = before
+        fresh = now_ns - made_ns < FLOW_REFRESH_NS
+        if raw == old:
+            return fresh or not lagging
+        record = KvSockRecord.from_buffer_copy(raw)
+        pending = record.snd_una != record.write_seq
+        shortfall = record.peer_rwnd + 4096 < record.peer_rwnd_max
+        return (
+            fresh and idle and raw[:JUDGED_END] == old[:JUDGED_END] and not (pending or shortfall)
+        )
+
+
+def _all_sent_and_acked(record: KvSockRecord, sequence: int) -> None:
+    record.snd_una = record.snd_nxt = record.write_seq = sequence
+
+
+MUTATIONS: dict[str, Callable[[KvSockRecord, random.Random], None]] = {
+    "flow": lambda r, rng: setattr(r, "bytes_acked", r.bytes_acked + rng.randrange(1, 999)),
+    "sent and acked": lambda r, rng: _all_sent_and_acked(r, r.write_seq + 100),
+    "pending": lambda r, rng: setattr(r, "write_seq", r.write_seq + rng.randrange(1, 99)),
+    "window shrinks": lambda r, rng: setattr(r, "peer_rwnd", rng.randrange(0, 65535)),
+    "zero window": lambda r, rng: setattr(r, "zero_window_since_ns", rng.randrange(1, 9**9)),
+    "feeds": lambda r, rng: setattr(r, "feeds", r.feeds + 1),
+    "closes": lambda r, rng: setattr(r, "tcp_state", TCP_CLOSE),
+    "nothing": lambda r, rng: None,
+}
+
+
+def test_a_vectorised_read_decides_as_record_by_record() -> None:
+    """Random tables read after random changes, sockets coming and going and the table in
+    any order: every record gets a new sample exactly when the record-by-record rule makes
+    one, and keeps the very same object otherwise."""
+    rng = random.Random(34)
+    for _ in range(40):
+        cache, rule = SampleCache(), OneByOne()
+        live = [healthy_idle(sk=0xFFFF_8880_0000_0000 + i * 4096) for i in range(6)]
+        last: dict[int, SocketSample] = {}
+        now_ns = SECOND_NS
+        for _ in range(25):
+            now_ns += rng.choice([SECOND_NS // 2, SECOND_NS, 3 * SECOND_NS])
+            for record in live:
+                MUTATIONS[rng.choice(list(MUTATIONS))](record, rng)
+            if rng.random() < 0.3:
+                live.append(healthy_idle(sk=0xFFFF_8880_0000_0000 + rng.randrange(6, 12) * 4096))
+            live = [r for r in live if r.tcp_state != TCP_CLOSE or rng.random() < 0.5]
+            rng.shuffle(live)
+            unique = list({r.sk: r for r in live}.values())
+            samples = cache.update(b"".join(bytes(r) for r in unique), now_ns)
+            expected = rule.made_again(unique, now_ns)
+            assert [s.key for s in samples] == list(expected)
+            for sample in samples:
+                assert (sample is not last.get(sample.key)) == expected[sample.key]
+                assert expected[sample.key] == (sample.observed_ns == now_ns)
+            last = {s.key: s for s in samples}
+
+
+def test_a_record_read_twice_in_one_pass_counts_once() -> None:
+    """A record that moved while the table was read (the hash map's batches) appears twice:
+    its last copy is its sample."""
+    first, second = healthy_idle(), healthy_idle()
+    second.tgid = 99
+    (sample,) = SampleCache().update(bytes(first) + bytes(second), SECOND_NS)
+    assert sample.pid == 99

@@ -200,12 +200,14 @@ def actions_taken(stack: Stack, since_ns: int) -> dict[str, int]:
     return counts
 
 
-def stalled_tokens(stack: Stack) -> int:
-    """Tokens the engine decoded for the clients that stopped (each read one), by now."""
+def stalled_tokens(stack: Stack, earlier: set[str]) -> int:
+    """Tokens the engine decoded for the clients that stopped (each read one), by now, in
+    the requests not among `earlier` (the ids it listed before this configuration: the
+    engine's list spans the configurations before it)."""
     return sum(
         r["tokens_generated"] - 1
         for r in engine_requests(stack)
-        if r["request_id"].startswith("cmpl-stalled-")
+        if r["request_id"].startswith("cmpl-stalled-") and r["request_id"] not in earlier
     )
 
 
@@ -215,6 +217,7 @@ def configuration(
     """One configuration's load, and what the healthy clients and the engine saw."""
     samples: list[dict[str, float]] = []
     before, cpu_before = engine_gauges(stack), stack.cpu_seconds()
+    earlier = {r["request_id"] for r in engine_requests(stack)}
     since_ns = time.monotonic_ns()
     report, stalled = asyncio.run(
         load(
@@ -226,7 +229,7 @@ def configuration(
         )
     )
     after, cpu_after = engine_gauges(stack), stack.cpu_seconds()
-    decoded_for_stopped = stalled_tokens(stack)
+    decoded_for_stopped = stalled_tokens(stack, earlier)
     cpu_percent = {
         f"{name}_cpu_percent_of_core": round(
             100 * (cpu_after[name] - cpu_before[name]) / report.duration_seconds, 1

@@ -303,7 +303,7 @@ class SampleCache:
             observed = np.where(kept, self._observed[previous], now_ns)
             idle = np.where(kept, self._idle[previous], False)
             samples = self._samples[previous].copy()  # the rows not kept are made below
-        view, size = memoryview(table.reshape(-1)), RECORD.size
+        view, size = table.reshape(-1).data, RECORD.size
         for index in np.flatnonzero(~kept).tolist():
             raw = view[index * size : (index + 1) * size]
             sample = sample_from_raw(raw, now_ns, self._endpoints)

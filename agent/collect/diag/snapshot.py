@@ -25,11 +25,14 @@ from kvwatch.collect.diag.wire import (
     DIAG_EXTENSIONS,
     NLMSG_DONE,
     NLMSG_ERROR,
+    NLMSG_HEADER_BYTES,
     SOCK_DIAG_BY_FAMILY,
     DiagEntry,
     address_words,
     cookie_halves,
     nlmsg_errno,
+    nlmsg_header,
+    nlmsg_sequence,
     nlmsg_type,
     parse_inet_diag_msg,
     split_messages,
@@ -50,9 +53,8 @@ NETLINK_SOCK_DIAG = 4
 NLM_F_REQUEST = 0x1
 NLM_F_ACK = 0x4
 NLM_F_DUMP = 0x300
-# struct nlmsghdr, then struct inet_diag_req_v2: family, protocol, extensions, pad, states,
-# and its inet_diag_sockid (ports and addresses big-endian, interface, cookie as two u32).
-_NLMSG_HEADER = struct.Struct("=IHHII")
+# struct inet_diag_req_v2: family, protocol, extensions, pad, states, and its
+# inet_diag_sockid (ports and addresses big-endian, interface, cookie as two u32).
 _REQUEST_HEAD = struct.Struct("=BBBxI")
 _SOCKID_ADDRESSES = struct.Struct(">HH4I4I")
 _SOCKID_TAIL = struct.Struct("=III")
@@ -198,14 +200,14 @@ class DiagClient:
         error, or the acknowledgement NLM_F_ACK asked for) otherwise."""
         refuse_running_loop(action)
         self._sequence = sequence = (self._sequence + 1) & 0xFFFFFFFF
-        length = _NLMSG_HEADER.size + len(request.body)
-        header = _NLMSG_HEADER.pack(length, message_type, request.flags, sequence, 0)
+        length = NLMSG_HEADER_BYTES + len(request.body)
+        header = nlmsg_header(length, message_type, request.flags, sequence)
         replies: list[bytes] = []
         try:
             self._netlink.send(header + request.body)
             while True:
                 for message in split_messages(self._netlink.recv(RECEIVE_BYTES)):
-                    if _NLMSG_HEADER.unpack_from(message)[3] != sequence:
+                    if nlmsg_sequence(message) != sequence:
                         continue  # the tail of an earlier request that failed midway
                     replies.append(message)
                     if nlmsg_type(message) in (NLMSG_DONE, NLMSG_ERROR):

@@ -203,6 +203,16 @@ def split_messages(datagram: bytes) -> list[bytes]:
     return messages
 
 
+def nlmsg_header(length: int, message_type: int, flags: int, sequence: int) -> bytes:
+    """A netlink header for a message of `length` bytes (header included), to the kernel."""
+    return _NLMSG_HEADER.pack(length, message_type, flags, sequence, 0)
+
+
+def nlmsg_sequence(message: bytes) -> int:
+    sequence: int = _NLMSG_HEADER.unpack_from(message)[3]
+    return sequence
+
+
 def nlmsg_type(message: bytes) -> int:
     kind: int = _NLMSG_HEADER.unpack_from(message)[1]
     return kind

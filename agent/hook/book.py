@@ -51,9 +51,12 @@ class _LiveStream:
 
 @dataclass(frozen=True)
 class _PendingUpdate:
-    """A queued "send this stream's current numbers"; several updates coalesce into one."""
+    """A queued "send this stream's current numbers"; several updates coalesce into one. It
+    holds the stream itself, so that a stream closed before the update is taken still sends
+    its last numbers ahead of its close."""
 
     request_id: str
+    stream: _LiveStream
 
 
 class StreamBook:
@@ -163,8 +166,9 @@ class StreamBook:
             self._queue_update(request_id)
 
     def _queue_update(self, request_id: str) -> None:
-        """Queues an update of the stream's current numbers (lock held), once."""
-        if request_id not in self._update_queued and self._enqueue(_PendingUpdate(request_id)):
+        """Queues an update of the live stream's current numbers (lock held), once."""
+        pending = _PendingUpdate(request_id, self._streams[request_id])
+        if request_id not in self._update_queued and self._enqueue(pending):
             self._update_queued.add(request_id)
 
     def resumed(self, request_id: str, kv_blocks: int, recomputed_tokens: int) -> bool:
@@ -187,6 +191,7 @@ class StreamBook:
         with self._lock:
             if self._streams.pop(request_id, None) is None:
                 return False
+            self._update_queued.discard(request_id)  # a queued one still sends the last numbers
             self._enqueue(message)
             return True
 
@@ -220,19 +225,19 @@ class StreamBook:
                 if isinstance(item, Message):
                     messages.append(item)
                     continue
-                self._update_queued.discard(item.request_id)
-                stream = self._streams.get(item.request_id)
-                if stream is not None:
-                    messages.append(
-                        Update(
-                            request_id=item.request_id,
-                            kv_blocks=stream.kv_blocks,
-                            tokens_out=stream.tokens_out,
-                            kv_estimated=stream.kv_estimated,
-                            egress_buffer_full=stream.egress_buffer_full,
-                            paused=stream.paused,
-                        )
+                stream = item.stream
+                if self._streams.get(item.request_id) is stream:
+                    self._update_queued.discard(item.request_id)
+                messages.append(
+                    Update(
+                        request_id=item.request_id,
+                        kv_blocks=stream.kv_blocks,
+                        tokens_out=stream.tokens_out,
+                        kv_estimated=stream.kv_estimated,
+                        egress_buffer_full=stream.egress_buffer_full,
+                        paused=stream.paused,
                     )
+                )
         return messages
 
     def _enqueue(self, item: Message | _PendingUpdate) -> bool:

@@ -15,7 +15,9 @@ from kvwatch.lab.waiting import wait_until
 from tests.metrics_text import metric_value
 
 pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
-LATENCY_MARGIN_SECONDS = 0.5
+# How late a decision may come after its bound: ~0.1 s on an idle machine; CI's parallel
+# suite (2 cores, 4 workers, 2 emulated VMs) delayed one by 0.68 s.
+LATENCY_MARGIN_SECONDS = 1.5
 
 
 def engine_metric(stack: CutStack, name: str, **labels: str) -> float:

@@ -28,7 +28,7 @@ def test_a_stream_closed_before_its_update_is_taken_still_sends_its_last_numbers
     book.closed("req-1", "finished")
     messages = book.take(10)
     assert [type(m) for m in messages] == [Open, Update, Close]
-    assert messages[1].tokens_out == 40
+    assert [m.tokens_out for m in messages if isinstance(m, Update)] == [40]
 
 
 def test_a_reopened_id_gets_its_own_update_after_the_old_streams_last_one() -> None:

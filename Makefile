@@ -32,10 +32,10 @@ bpf: $(BPF_BUILT)
 $(BPF_BUILT) &: $(BPF_SRC) | $(DEMO_STAMP)
 	$(MAKE) -C bpf OUT=$(abspath $(BPF_OBJ)) BCC_DIR=$(abspath agent/collect/bpf/csrc)
 
-# The whole suite on TEST_WORKERS pytest-xdist workers: the kernel matrix's VMs start first and
-# the rest fills in around them; tests that time a real server's stream run one at a time in
-# their group (tests/conftest.py). No two tests share a port, a hook socket, a network
-# namespace or a lab's server port, so any test may run beside any other.
+# The whole suite on TEST_WORKERS pytest-xdist workers: the kernel matrix's VMs start first, one
+# after the other, and the rest fills in around them; tests that time a real server's stream run
+# one at a time in their group (tests/conftest.py). No two tests share a port, a hook socket, a
+# network namespace or a lab's server port, so any test may run beside any other.
 TEST_WORKERS ?= 4
 test: setup
 	$(PY) -m pytest -ra -n $(TEST_WORKERS) --dist loadgroup --durations=20 $(PYTEST_ARGS)

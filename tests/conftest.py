@@ -45,11 +45,15 @@ def start_order(item: pytest.Item) -> int:
 
 # Tests that time a real server's stream (the torch engine, llama-cpp-python) run one after
 # another within their group (`--dist loadgroup`): beside each other on two cores their servers
-# decoded 3-4 times slower than alone, and the pace is what those tests are about.
+# decoded 3-4 times slower than alone, and the pace is what those tests are about. The kernel
+# matrix's VMs (software-emulated, a core each for 5-10 minutes) run one after the other too:
+# two of them beside the rest left the timed tests half a core (CI stop 41: three of them late).
 LLAMA_SERVER_FILES = ("tests/hook/test_asgi_detach", "tests/e2e/test_llama_cpp.py")
 
 
 def serial_group(item: pytest.Item) -> str | None:
+    if item.nodeid.startswith(FIRST_TO_START):
+        return "kernel-vm"
     if item.get_closest_marker("engine"):
         return "engine"
     if item.nodeid.startswith(LLAMA_SERVER_FILES):

@@ -45,6 +45,13 @@ WATCH_FRACTION = 0.5
 # Where a stream's rate is not known yet, its reader has caught up once the backlog is this
 # small (and no back-pressure holds).
 CAUGHT_UP_BYTES = 4096
+# The backlog's error (the receiver's bookkeeping, window rounding) is several KB, seconds of
+# a slow stream's output: readers that read everything of a 3-4 KB/s stream behind haproxy
+# on a busy engine showed 6.5-9.6 KB. So a reader is behind only with BEHIND_MIN_BYTES unread
+# too, or with its buffer full (zero window, or the send buffer full: a small buffer), and
+# has caught up below half of it: a reader that stopped passes it within seconds (its window
+# shrinks by what is sent), and one that read everything is not held on the error.
+BEHIND_MIN_BYTES = 16 * 1024
 # A hold action that did not take effect is asked again after this long, this many times.
 HOLD_RETRY_SECONDS = 1.0
 HOLD_TRIES = 5
@@ -182,10 +189,12 @@ class EpisodeRunner:
         if seconds is None:
             caught_up = not pressed and backlog.bytes < CAUGHT_UP_BYTES
             return Pressure(backlog, pressed, caught_up, pressed)
+        within_error = backlog.bytes < BEHIND_MIN_BYTES // 2 and not pressed
         return Pressure(
             backlog,
-            behind=seconds >= self.policy.pause_seconds,
-            caught_up=seconds < self.policy.release_seconds,
+            behind=seconds >= self.policy.pause_seconds
+            and (backlog.bytes >= BEHIND_MIN_BYTES or pressed),
+            caught_up=seconds < self.policy.release_seconds or within_error,
             near=seconds >= self.policy.pause_seconds * WATCH_FRACTION,
         )
 

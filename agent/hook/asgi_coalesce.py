@@ -30,8 +30,11 @@ Send = Callable[[Message], Awaitable[None]]
 DEFAULT_COALESCE_BYTES = 1024
 # Measured (docs/collector.md, "What the server sees of a reader that stops"): with 100 ms,
 # a stream of ~35 tokens/s writes ~850-byte chunks, which a client whose window scale is 10
-# (1 KB units) still does not see; 250 ms lets them reach a kilobyte.
-DEFAULT_COALESCE_MS = 250
+# (1 KB units) still does not see; 250 ms lets them reach a kilobyte at 20 tokens/s and up,
+# but a busy engine's streams (~19 tokens/s behind haproxy on 2 cores) wrote ~850 bytes
+# again and a reader that stopped stayed hidden for 30 s; 500 ms reaches a kilobyte down to
+# ~10 tokens/s.
+DEFAULT_COALESCE_MS = 500
 BODY = "http.response.body"
 # struct tcp_info: the byte after state, ca_state, retransmits, probes, backoff and options
 # holds tcpi_snd_wscale (low four bits: the scale of the window the peer advertises).

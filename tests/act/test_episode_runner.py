@@ -18,7 +18,12 @@ from dataclasses import dataclass, field
 from kvwatch.act.actions import Actions
 from kvwatch.act.audit import AuditLog
 from kvwatch.act.carry import Executor
-from kvwatch.act.episode_runner import BACKLOG_LOOK_NS, HOLD_RETRY_SECONDS, EpisodeRunner
+from kvwatch.act.episode_runner import (
+    BACKLOG_LOOK_NS,
+    BEHIND_MIN_BYTES,
+    HOLD_RETRY_SECONDS,
+    EpisodeRunner,
+)
 from kvwatch.act.record import Recorder
 from kvwatch.collect.gpu import GpuInventory
 from kvwatch.collect.procfs import Procfs
@@ -36,7 +41,7 @@ from tests.act.stalled import StalledConnections
 from tests.hookserver.conftest import engine_hook, run_async, running_server, wait_until
 
 S = 1_000_000_000
-RATE = 10_000  # the stream's output, bytes per second
+RATE = 20_000  # the stream's output, bytes per second
 WINDOW = 65_536
 HOLDING = PolicyConfig(
     mode="enforce",
@@ -172,14 +177,14 @@ def streaming(key: int = 7, unread: int = 0, at_ns: int | None = None) -> Socket
     )  # fmt: skip
 
 
-def metered(runner: EpisodeRunner, sample: SocketSample) -> None:
-    """Lets the runner's flow meter measure the stream at RATE over the second before, its
-    reader reading none of it: its kernel acknowledged RATE bytes and its window shrank by as
-    much (its right edge stood still)."""
+def metered(runner: EpisodeRunner, sample: SocketSample, rate: int = RATE) -> None:
+    """Lets the runner's flow meter measure the stream at `rate` over the second before, its
+    reader reading none of it: its kernel acknowledged `rate` bytes and its window shrank by
+    as much (its right edge stood still)."""
     earlier = sample.with_changes(
         observed_ns=sample.observed_ns - S,
-        bytes_acked=sample.bytes_acked - RATE,
-        peer_rwnd=min(WINDOW, sample.peer_rwnd + RATE),
+        bytes_acked=sample.bytes_acked - rate,
+        peer_rwnd=min(WINDOW, sample.peer_rwnd + rate),
     )
     runner.meter.note(earlier)
     runner.meter.note(sample)
@@ -288,6 +293,30 @@ def test_back_pressure_is_behind_where_the_rate_is_not_known_yet(socket_path: st
             await it.announce(sample)
             it.runner.observe(sample, time.monotonic_ns())  # the meter has no rate for it
             await wait_until(lambda: it.engine.names() == ["pause"])
+
+    run_async(scenario())
+
+
+def test_a_slow_streams_reader_is_behind_only_past_the_backlogs_error(socket_path: str) -> None:
+    """Seconds of a 3 KB/s stream's output are within what the backlog cannot tell from the
+    receiver's bookkeeping: behind takes BEHIND_MIN_BYTES too (or a full buffer: a small
+    one), and below half of it a held reader has caught up."""
+
+    async def scenario() -> None:
+        async with lab(socket_path) as it:
+            rate = 3000
+            within = streaming(key=11, unread=BEHIND_MIN_BYTES - 1024)  # 5 s of output
+            metered(it.runner, within, rate)
+            assert not it.runner.pressure(within).behind
+            past = streaming(key=12, unread=BEHIND_MIN_BYTES + 1024)
+            metered(it.runner, past, rate)
+            assert it.runner.pressure(past).behind
+            full = streaming(key=13, unread=4096).with_changes(peer_rwnd=0, notsent_bytes=8192)
+            metered(it.runner, full, rate)
+            assert it.runner.pressure(full).behind, "a small buffer, full"
+            error = streaming(key=14, unread=BEHIND_MIN_BYTES // 2 - 1024)  # 2.3 s of output
+            metered(it.runner, error, rate)
+            assert it.runner.pressure(error).caught_up
 
     run_async(scenario())
 

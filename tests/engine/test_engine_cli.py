@@ -57,7 +57,7 @@ def test_engine_prints_its_pool_serves_and_stops_cleanly_on_signal(
     text = "".join(banner)
     assert "kvwatch-reference-tiny" in text
     assert "KV pool: 64 blocks x 16 tokens, 32768 bytes per block, 2.0 MiB in all" in text
-    assert "SSE writes: coalesced up to 1024 bytes or 250 ms" in text
+    assert "SSE writes: coalesced up to 1024 bytes or 500 ms" in text
     assert "kvwatch hook: off" in text
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 

@@ -3,7 +3,7 @@ middleware, the deterministic executor; conftest.py) and `kvwatch run --mode enf
 project's venv, with real BPF, watching the server's port with a hook socket and an API port
 of its own. The clients are raw sockets with the kernel's default receive buffers, across a
 veth pair from a namespace of their own (MTU 1500, MSS 1448: tests.support.network); the
-middleware coalesces the streams (1 KB / 250 ms, its default).
+middleware coalesces the streams (1 KB / 500 ms, its default).
 
 All five clients run at once, started by the module's fixture; each test follows one:
 - a client that stops reading after its first second is paused, then parked `park_seconds`

@@ -51,9 +51,9 @@ GUARANTEE = 4096  # the agent's default min_reader_bytes_per_second
 DEFAULT_BUFFERS_GUARANTEE = 8192
 LONG_TOKENS = 1400  # ~250 KB, ~3 s at the reference engine's ~500 tokens/s (context: 2048)
 SHORT_TOKENS = 500  # ~90 KB, done in ~1 s
-# ~250 KB. The agent paces the engine to readers this slow (pause is on by default), so the
-# engine ends ~30-40 s in, at their pace, and the proxy closes a client socket with what the
-# pause allows still queued for a 6 KB/s reader behind a 64 KB buffer.
+# ~250 KB: done in ~3 s idle, ~11 s loaded (the agent paces nothing in that test); whatever
+# the engine's pace, the proxy closes a client socket with tens of KB still queued for a
+# 6 KB/s reader behind a 64 KB buffer.
 DRAINED_TOKENS = 1400
 DRAINED_SECONDS = 120.0  # a 5 KB/s reader takes ~50 s
 # A bound on waits for what follows the engine's answer: ~3 s idle, several times that on a
@@ -336,14 +336,17 @@ def test_a_slow_live_reader_behind_haproxy_is_never_cut_for_the_engines_stall(
 def test_slow_readers_a_proxy_closed_on_while_its_kernel_drains_are_never_cut(
     proxied: tuple[CutStack, Proxy],
 ) -> None:
-    """Issue 21's false "silence": the engine finishes (at the readers' pace: the agent
-    pauses it while they are behind), the proxy closes its client sockets with KBs still
-    queued, and its kernel sends the rest at the readers' pace — ACKs the ACK path no
-    longer sees (FIN_WAIT1). Readers at 6 KB/s behind a 64 KB buffer and 5 KB/s behind the
-    default one get every byte; the first one's socket reads `closed` while it drains, and
-    nothing is decided on either, with cancel and reset configured."""
+    """Issue 21's false "silence": the engine finishes within seconds, the proxy closes its
+    client sockets with tens of KB still queued, and its kernel sends the rest at the
+    readers' pace — ACKs the ACK path no longer sees (FIN_WAIT1). Readers at 6 KB/s behind a
+    64 KB buffer and 5 KB/s behind the default one get every byte; the first one's socket
+    reads `closed` while it drains, and nothing is decided on either, with cancel and reset
+    configured. Pause and park are off: pacing the engine to these readers (the default)
+    leaves the proxy almost nothing to drain when it closes, and the drain is the subject."""
     stack, proxy = proxied
-    start_agent(stack, proxy, "--action", "cancel", "--action", "reset")
+    start_agent(
+        stack, proxy, "--action", "cancel", "--action", "reset", "--pause", "off", "--park", "off"
+    )
     readers = [
         through(proxy, client("slow-64k", "64k", 6 * 1024), DRAINED_TOKENS),
         through(proxy, client("slow-default", "default", 5 * 1024), DRAINED_TOKENS),

@@ -54,9 +54,9 @@ class HoldSituation:
     is `behind` (backlog at or above `pause_seconds` of its output, and past the backlog's
     error: kvwatch.act.episode_runner.BEHIND_MIN_BYTES) or `caught_up` (below
     `release_seconds`, or within the error), the backlog in seconds (None: its rate is
-    unknown yet), how long it has been held (`held_seconds`; 0 when it is not) or behind (`behind_seconds`), what the
-    engine says it did (`held`: "paused", "parked", "detached" or ""), and the hold actions
-    already decided in this episode."""
+    unknown yet), how long it has been held (`held_seconds`; 0 when it is not) or behind
+    (`behind_seconds`), what the engine says it did (`held`: "paused", "parked", "detached"
+    or ""), and the hold actions already decided in this episode."""
 
     behind: bool
     caught_up: bool

@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.bpf, pytest.mark.engine, pytest.mark.slow]
 # How late a decision may come after its bound: ~0.1 s on an idle machine; CI's parallel
 # suite (2 cores, 4 workers, 2 emulated VMs) delayed one by 0.68 s.
 LATENCY_MARGIN_SECONDS = 1.5
+REBUILT_SECONDS = 5.0
 
 
 def engine_metric(stack: CutStack, name: str, **labels: str) -> float:
@@ -155,7 +156,8 @@ def test_agent_restart_rebuilds_state_and_still_acts(stack: CutStack) -> None:
             f"the new agent never joined the re-announced stream: engines {health['engines']}, "
             f"sockets {seen}, stalled client {stalled.getsockname()}"
         )
-    assert time.monotonic() - started < 2.0, "state rebuilt within 2 s of the agent's start"
+    # ~1 s on an idle machine; 2.4 s once in the parallel suite on 2 cores.
+    assert time.monotonic() - started < REBUILT_SECONDS, "state rebuilt soon after the start"
     assert joined is None or joined["state"] in ("zero_window", "stalled")
     deadline = time.monotonic() + STALL_SECONDS + 3
     while time.monotonic() < deadline and not acted:

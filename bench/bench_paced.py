@@ -4,7 +4,7 @@ parking only, and pacing (its defaults), directly and behind nginx and haproxy, 
 a busy engine.
 
 The engine is `kvwatch engine` with its defaults (the small model, coupled egress, a 64 KiB
-SO_SNDBUF, events coalesced into ~1 KB / 250 ms writes); clients keep the kernel's default
+SO_SNDBUF, events coalesced into ~1 KB / 500 ms writes); clients keep the kernel's default
 receive buffers (autotuned; this machine's tcp_rmem allows 32 MB, so a window scale of 10);
 everything on loopback. nginx runs as it comes (`proxy_buffering on`, its default) and, as a
 variant, as SSE guides set it (`proxy_buffering off`: the lab's config); haproxy as it comes.
@@ -38,8 +38,9 @@ their one run shows); the variants once: nginx with proxy_buffering off, per-tok
 engine) and the 8 KiB engine / 4 KB client buffers. Every wait is for an event, bounded.
 
 Run as root: `python -m bench.bench_paced` (or `make bench`; `--quick`: one repetition of
-each core setup, no variants; `--topology haproxy`: that topology's setups only). Writes
-bench/results/paced.json and paced.png.
+each core setup, no variants; `--topology haproxy`: that topology's setups only;
+`--from-repetition 2`: the rest of a full run after a quick one; `--rows A B`: sum up the
+rows of earlier runs together). Writes bench/results/paced.json and paced.png.
 """
 
 from __future__ import annotations
@@ -164,32 +165,34 @@ def run_setup(
 
 
 def plan(
-    quick: bool, topologies: Sequence[Topology]
+    quick: bool, topologies: Sequence[Topology], first_repetition: int = 1
 ) -> list[tuple[Setup, tuple[AgentName, ...], int]]:
-    """The core setups of `topologies` (REPEATS times, or once where `quick`), then the
-    variants (none where `quick`)."""
+    """The core setups of `topologies` (REPEATS times from `first_repetition`, or once where
+    `quick`), then the variants (none where `quick`)."""
     core = [setup for setup in CORE if setup.topology in topologies]
     if quick:
         return [(setup, (*CORE_AGENTS, *ONCE_AGENTS), 1) for setup in core]
     runs = [
         (setup, CORE_AGENTS + (ONCE_AGENTS if repetition == 1 else ()), repetition)
-        for repetition in range(1, REPEATS + 1)
+        for repetition in range(first_repetition, REPEATS + 1)
         for setup in core
     ]
     return runs + [(setup, agents, 1) for setup, agents in VARIANTS]
 
 
 def run(
-    quick: bool, topologies: Sequence[Topology], rows_file: Path
+    quick: bool, topologies: Sequence[Topology], first_repetition: int, rows_file: Path
 ) -> tuple[list[Row], list[str]]:
     """Every setup of the plan; each row is also appended to `rows_file` as it comes (JSON
     lines), so a run cut short keeps what it measured. A setup that failed is said, not
-    fatal: the others still run."""
+    fatal: the others still run. Engines are named by this run's start and their place in
+    it, so rows of several runs summed up together never share one."""
     rows: list[Row] = []
     failures: list[str] = []
-    for index, (setup, agents, repetition) in enumerate(plan(quick, topologies)):
+    run_name = time.strftime("%Y%m%dT%H%M%S")
+    for index, (setup, agents, repetition) in enumerate(plan(quick, topologies, first_repetition)):
         try:
-            found = run_setup(setup, agents, repetition, f"engine-{index}")
+            found = run_setup(setup, agents, repetition, f"{run_name}-engine-{index}")
         except (AssertionError, KvwatchError, OSError, httpx.HTTPError) as exc:
             failures.append(f"{setup.label}, repetition {repetition}: {exc}")
             print(f"  failed: {exc}", flush=True)
@@ -210,29 +213,55 @@ def main() -> None:
         help="only this one (repeat for more; default: direct, nginx and haproxy)",
     )
     parser.add_argument(
-        "--rows", type=Path, help="sum up these rows (JSON lines of an earlier run) instead"
+        "--from-repetition",
+        type=int,
+        choices=range(1, REPEATS + 1),
+        default=1,
+        metavar="K",
+        help=f"go on from the core setups' repetition K (of {REPEATS}; cut and park run in the "
+        "first only): with --rows of a --quick run, the rest of a full run",
+    )
+    parser.add_argument(
+        "--rows",
+        type=Path,
+        nargs="+",
+        help="sum up these rows (JSON lines of earlier runs, e.g. a --quick run's and a "
+        "--from-repetition 2 run's) instead of running",
     )
     args = parser.parse_args()
+    if args.quick and args.from_repetition != 1:
+        parser.error("--quick runs one repetition; --from-repetition goes with a full run")
     started = time.monotonic()
     # A partial run (quick, or some topologies) is written beside the full one, not over it.
-    name = "-".join(["paced", *(["quick"] if args.quick else []), *(args.topology or [])])
+    name = "-".join(
+        [
+            "paced",
+            *(["quick"] if args.quick else []),
+            *(args.topology or []),
+            *([f"from-{args.from_repetition}"] if args.from_repetition > 1 else []),
+        ]
+    )
     if args.rows:
-        rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line]
+        rows = [
+            json.loads(line) for path in args.rows for line in path.read_text().splitlines() if line
+        ]
         failures: list[str] = []
     else:
         rows_file = RESULTS / f"{name}-rows.jsonl"
         rows_file.unlink(missing_ok=True)
-        rows, failures = run(args.quick, args.topology or TOPOLOGIES, rows_file)
+        rows, failures = run(
+            args.quick, args.topology or TOPOLOGIES, args.from_repetition, rows_file
+        )
     summary = summarise(rows)
     result = {
         "cpu_count": os.cpu_count(),
         "engine": "kvwatch engine, its defaults (the small model, 64 KiB SO_SNDBUF, 1 KB / "
-        "250 ms writes)",
+        "500 ms writes)",
         "clients": "kernel-default receive buffers (tcp_rmem 4096 131072 33554432)",
         "long_tokens": LONG_TOKENS,
         "live_tokens": LIVE_TOKENS,
         "busy_streams": BUSY_STREAMS,
-        "repeats": 1 if args.quick else REPEATS,
+        "repeats": len({row["repetition"] for row in rows}),
         "seconds": round(time.monotonic() - started),
         "failures": failures,
         "summary": summary,

@@ -167,8 +167,9 @@ class StreamBook:
 
     def _queue_update(self, request_id: str) -> None:
         """Queues an update of the live stream's current numbers (lock held), once."""
-        pending = _PendingUpdate(request_id, self._streams[request_id])
-        if request_id not in self._update_queued and self._enqueue(pending):
+        if request_id in self._update_queued:
+            return
+        if self._enqueue(_PendingUpdate(request_id, self._streams[request_id])):
             self._update_queued.add(request_id)
 
     def resumed(self, request_id: str, kv_blocks: int, recomputed_tokens: int) -> bool:

@@ -91,6 +91,12 @@ class AgentState(Protocol):
         """Tokens engines wrote that their readers had not read when their streams ended
         (kvwatch.streams.backlog.FlowMeter.unread_tokens: an estimate)."""
 
+    @property
+    def scan_samples(self) -> Mapping[str, int]:
+        """Samples the agent's full scans took so far: "judged" (new since the scan before:
+        passed to the episode runner) and "kept" (the collector kept them unchanged in every
+        way the judge reads: judged at no cost)."""
+
     def samples(self) -> list[SocketSample]: ...
 
     def stream_views(self) -> list[StreamView]: ...

@@ -148,6 +148,9 @@ class MergedCollector:
         # DRAINING_INODES_KEPT, should close events be lost).
         self._draining_inodes: set[int] = set()
         self.checked = CheckedViews()
+        # The table's samples pass this door as they are made (SampleCache), and again only
+        # when `settled` says its answer may have moved: a kept sample costs no admission.
+        bpf.cache.door = self
         # The bootstrap snapshot is taken now, at attach time, so a socket that was already
         # stalled is timed from the agent's start, not from its first report.
         self.handover.update((connection_key(s), s) for s in diag.samples())
@@ -157,7 +160,7 @@ class MergedCollector:
         return self.bpf.report
 
     def samples(self) -> list[SocketSample]:
-        found = [self.admit(sample) for sample in self.bpf.samples()]
+        found = self.bpf.samples()  # admitted by this door (its table's cache)
         self._note_evictions(len(found))
         if not (self.bootstrapping or self.table.full):
             return found
@@ -185,6 +188,19 @@ class MergedCollector:
 
     def admit(self, sample: SocketSample) -> SocketSample:
         return self._in_kernel_view(self._carried(self._with_owner(sample)))
+
+    def settled(self, sample: SocketSample) -> bool:
+        """Whether `admit`'s answer for this very sample stays until the sample changes: not
+        while bootstrapping or while diag's view of it is handed over, nor while its owner
+        is looked up (none known yet, or draining after its sender closed), nor while it is
+        brought up to the kernel's view (CLOSE_WAIT with data pending)."""
+        if self.bootstrapping or (self.handover and connection_key(sample) in self.handover):
+            return False
+        if sample.pending_bytes and (sample.sender_closed or sample.tcp_state == TCP_CLOSE_WAIT):
+            return False
+        if sample.tcp_state == TCP_CLOSE or sample.sender_closed:
+            return True  # whose it was no longer matters (_with_owner)
+        return bool(sample.pid) or not sample.inode
 
     def _in_kernel_view(self, sample: SocketSample) -> SocketSample:
         """A socket in CLOSE_WAIT with data pending (its client half-closed and reads on) is

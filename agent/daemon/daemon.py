@@ -97,6 +97,7 @@ class Daemon:
         self._samples_ns = 0
         # Tokens engines wrote that their readers had not read when their streams ended.
         self.unread_tokens_at_end = 0
+        self.scan_samples = {"judged": 0, "kept": 0}
         self._live: dict[str, EngineStream] = {}
         self._table_warned_ns = 0
         self._stop = asyncio.Event()
@@ -160,19 +161,27 @@ class Daemon:
 
     async def scan(self) -> None:
         """A full read of the collector: refreshes the socket table and arms stall timers
-        for sockets under back-pressure that no edge event announced (restart, diag mode)."""
+        for sockets under back-pressure that no edge event announced (restart, diag mode).
+        Only samples new since the last scan go to the runner: a healthy stream whose
+        sample the collector kept costs a lookup here, not a judgement."""
         assert self.opened is not None
         loop = asyncio.get_running_loop()
         samples = await loop.run_in_executor(self._collect, self.opened.collector.samples)
         previous, self._samples = self._samples, {sample.key: sample for sample in samples}
-        self.feed_ledger.note_all(samples)
+        # A sample the collector kept from the last scan (the very object: its record moved
+        # in no way the judge reads, see SampleCache) told the ledger and the runner all it
+        # can (docs/collector.md, "What a scan costs").
+        news = [sample for sample in samples if previous.get(sample.key) is not sample]
+        self.scan_samples["judged"] += len(news)
+        self.scan_samples["kept"] += len(samples) - len(news)
+        self.feed_ledger.note_all(self._samples.keys(), news)
         self._samples_ns = now_ns = time.monotonic_ns()
         if self.bpf is None:  # sock_diag polling has no close events: a vanished socket closed
             for key in previous.keys() - self._samples.keys():
                 self._gone(previous[key], now_ns)
-        if self.timelines.live_count():
+        if self.timelines.sweep_due(now_ns):
             self.timelines.sweep({connection_id(s.local, s.remote) for s in samples}, now_ns)
-        for sample in samples:
+        for sample in news:
             self.runner.observe(sample, now_ns)
         # A set of every socket only where an open episode is to be matched against it.
         if len(self.runner.episodes):

@@ -34,6 +34,15 @@ def agent_metrics(state: AgentState) -> Iterator[Metric]:
         "Connections open on the hook socket, engines that said hello or not.",
         value=state.hooks.connection_count(),
     )
+    scanned = CounterMetricFamily(
+        "kvwatch_agent_scan_samples",
+        "Socket samples the agent's full scans took, by outcome: judged (new since the scan "
+        "before) or kept (unchanged in every way the judge reads, so not judged again).",
+        labels=["outcome"],
+    )
+    for outcome, count in sorted(state.scan_samples.items()):
+        scanned.add_metric([outcome], count)
+    yield scanned
     timelines = GaugeMetricFamily(
         "kvwatch_agent_timelines",
         "Stream timelines the agent keeps for explain, live and finished.",

@@ -43,7 +43,7 @@ is known from the daemon's FeedLedger, which keeps each client socket's recent c
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -127,13 +127,12 @@ class FeedLedger:
                 return
         self._runs[sample.key] = (run, deque([point], maxlen=LEDGER_POINTS))
 
-    def note_all(self, samples: Iterable[SocketSample]) -> None:
-        """A full look at the socket table: sockets not in it are forgotten."""
-        seen = list(samples)
-        keys = {sample.key for sample in seen}
-        for key in self._runs.keys() - keys:
+    def note_all(self, present: Collection[int], news: Iterable[SocketSample]) -> None:
+        """A full look at the socket table: the keys `present` in it, and its samples that
+        are `news` (the rest were noted before, unchanged); sockets not in it are forgotten."""
+        for key in self._runs.keys() - present:
             del self._runs[key]
-        for sample in seen:
+        for sample in news:
             self.note(sample)
 
     def forget(self, key: int) -> None:

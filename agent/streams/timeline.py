@@ -20,6 +20,9 @@ DEFAULT_MAX_LIVE = 32768
 # what a close event would have said, for collectors that have none (sock_diag polling) and
 # for announced connections that never existed.
 UNSEEN_NS = 10_000_000_000
+# Sweeps per UNSEEN_NS: enough to close an unseen timeline within a quarter more of it, few
+# enough that a node of many live streams does not name every connection at every scan.
+SWEEPS_PER_UNSEEN = 4
 # Messages about a connection can arrive just after its close (the cancel acknowledgement
 # comes after the engine reset the connection); they join the closed timeline.
 LATE_EVENTS_NS = 5_000_000_000
@@ -76,6 +79,7 @@ class Timelines:
         self._by_request: dict[str, ConnectionId] = {}
         self._finished: OrderedDict[str, Timeline] = OrderedDict()
         self._just_closed: OrderedDict[ConnectionId, Timeline] = OrderedDict()
+        self._swept_ns = 0
 
     def of(self, connection: ConnectionId) -> Timeline:
         """The connection's live timeline, the one closed moments ago, or a new one."""
@@ -91,9 +95,15 @@ class Timelines:
         timeline = self._live[connection] = Timeline(connection)
         return timeline
 
+    def sweep_due(self, now_ns: int) -> bool:
+        """Whether a scan should sweep: there are live timelines and the last sweep is
+        UNSEEN_NS / SWEEPS_PER_UNSEEN old."""
+        return bool(self._live) and now_ns - self._swept_ns >= UNSEEN_NS // SWEEPS_PER_UNSEEN
+
     def sweep(self, seen: set[ConnectionId], now_ns: int) -> int:
         """Notes which live timelines' sockets the collector sees (`seen`, from a full scan)
         and closes those unseen for UNSEEN_NS; returns how many it closed."""
+        self._swept_ns = now_ns
         gone = []
         for connection, timeline in self._live.items():
             if connection in seen:

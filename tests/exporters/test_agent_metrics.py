@@ -18,7 +18,11 @@ from kvwatch.streams.timeline import Timelines
 def test_hook_events_are_a_counter_of_events_only_and_connections_a_gauge() -> None:
     state = cast(
         AgentState,
-        SimpleNamespace(hooks=HookServer("/nonexistent/engine.sock"), timelines=Timelines(10)),
+        SimpleNamespace(
+            hooks=HookServer("/nonexistent/engine.sock"),
+            timelines=Timelines(10),
+            scan_samples={"judged": 0, "kept": 0},
+        ),
     )
     families = {family.name: family for family in agent_metrics(state)}
     events = families["kvwatch_hook_events"]

@@ -294,5 +294,5 @@ def test_the_ledger_starts_over_for_a_new_feeder_or_socket_and_stays_bounded() -
     # Older counts were dropped: a time before the kept ones gets all the feeds, never
     # fewer than the kept counts (all after it), which is more than a join needs.
     assert ledger.feeds_since(now, 1_050) == 100 and LEDGER_POINTS > MIN_FEEDS
-    ledger.note_all([proxy_socket(1, 0, 1, key=2)])
+    ledger.note_all({2}, [proxy_socket(1, 0, 1, key=2)])
     assert len(ledger) == 1  # socket 1 is gone from the table

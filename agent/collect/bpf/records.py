@@ -10,7 +10,9 @@ only for a record that changed, and not even then while the change is only the f
 healthy, idle socket (`FLOW_FIELDS` moved; no back-pressure, nothing pending and the peer's
 window near its largest, before and after): such a socket keeps its sample for up to
 `FLOW_REFRESH_NS`, so a stream that is between tokens at each read costs a share of a few
-vectorised comparisons over the whole table, not a conversion, nor a Python step of its own.
+vectorised comparisons over the whole table, not a conversion, nor a Python step of its own;
+when its sample is that old, its flow counters are decoded together with every other such
+row's (numpy columns over the table) into a copy of its sample, not converted again.
 Everything the judge reads of a socket under back-pressure, with data pending, whose reader
 holds unread bytes (its window `SHORTFALL_BYTES` below its largest), or whose state, owner,
 episodes or feeder changed is always as of this read.
@@ -25,7 +27,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import struct
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -255,6 +257,57 @@ SND_UNA_WORD, WRITE_SEQ_WORD, PEER_RWND_WORD, PEER_RWND_MAX_WORD = (
 )
 
 
+# The sample fields a refresh of a lagging row takes from its record's flow (kvwatch.h's
+# tail) as they are; rto_us is srtt_us + rttvar_us, and nothing is pending in such a row.
+REFRESHED_FIELDS = (
+    "wmem_queued",
+    "sndbuf",
+    "peer_rwnd",
+    "peer_rwnd_max",
+    "srtt_us",
+    "snd_cwnd",
+    "retransmits",
+    "progress_ns",
+    "last_ack_ns",
+    "bytes_acked",
+)
+
+
+def flow_dtype(names: tuple[str, ...]) -> np.dtype:
+    """A numpy record type over whole kv_sock_records that reads the unsigned members `names`
+    in place (the rest of each record skipped)."""
+    kinds = {name: kind for name, kind, *_ in KvSockRecord._fields_}
+    return np.dtype(
+        {
+            "names": list(names),
+            "formats": [f"<u{ctypes.sizeof(kinds[name])}" for name in names],
+            "offsets": [getattr(KvSockRecord, name).offset for name in names],
+            "itemsize": RECORD.size,
+        }
+    )
+
+
+FLOW_DTYPE = flow_dtype((*REFRESHED_FIELDS, "rttvar_us"))
+REFRESHED_POSITIONS = tuple(
+    SocketSample._fields.index(name) for name in (*REFRESHED_FIELDS, "rto_us", "observed_ns")
+)
+
+
+def refresh_flows(samples: np.ndarray, rows: np.ndarray, table: np.ndarray, now_ns: int) -> None:
+    """Brings the samples at `rows` (idle and healthy, their judged part unchanged, nothing
+    pending) up to their records' flow in `table` (the read's bytes, a row a record), in
+    place: the flow decoded for all of them at once, each sample copied with it."""
+    flows = table.reshape(-1).view(FLOW_DTYPE)[rows]
+    columns = [flows[name].tolist() for name in REFRESHED_FIELDS]
+    columns.append((flows["srtt_us"].astype(np.uint64) + flows["rttvar_us"]).tolist())
+    columns.append([now_ns] * len(rows))
+    for index, *values in zip(rows.tolist(), *columns, strict=True):
+        fields = list(samples[index])
+        for position, value in zip(REFRESHED_POSITIONS, values, strict=True):
+            fields[position] = value
+        samples[index] = SocketSample._make(fields)
+
+
 def _last_of_each_key(keys: np.ndarray) -> np.ndarray | None:
     """Row indices keeping, for a key read twice (a record moved while the table was
     read), its last row, in table order; None when every key is read once."""
@@ -265,21 +318,37 @@ def _last_of_each_key(keys: np.ndarray) -> np.ndarray | None:
     return np.sort(len(keys) - 1 - first_from_end)
 
 
+class Door(Protocol):
+    """What every sample passes before anyone judges it (kvwatch.collect.collectors)."""
+
+    def admit(self, sample: SocketSample) -> SocketSample:
+        """The sample as the judge sees it (its owner, state carried over...)."""
+
+    def settled(self, sample: SocketSample) -> bool:
+        """Whether `admit` gives this very sample the same answer at every read, until the
+        sample itself changes."""
+
+
 class SampleCache:
     """Samples of every tracked socket, made again only when the judge needs them (module
     docstring). The newest table, each row's sample, when it was made, whether it was idle
     and healthy, and whether it lags its record are kept as arrays aligned with that table's
     rows, so a read decides what to keep in a few vectorised passes over the whole table and
-    runs Python only for the records that need a new sample. Owned by one collector; one
-    thread."""
+    runs Python only for the records that need a new sample. With a `door`, each row also
+    keeps its sample as the door admitted it, admitted again only when the sample is new or
+    the door's answer may have moved (not settled): a row kept is the very object the last
+    read returned. Owned by one collector; one thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, door: Door | None = None) -> None:
+        self.door = door
         self._keys = np.zeros(0, dtype="<u8")
         self._words = np.zeros((0, RECORD_WORDS), dtype="<u4")
         self._observed = np.zeros(0, dtype=np.int64)
         self._idle = np.zeros(0, dtype=bool)
         self._lagging = np.zeros(0, dtype=bool)
         self._samples = np.zeros(0, dtype=object)
+        self._admitted = np.zeros(0, dtype=object)
+        self._settled = np.zeros(0, dtype=bool)
         self._endpoints = EndpointCache()
 
     def update(self, records: bytes, now_ns: int) -> list[SocketSample]:
@@ -294,24 +363,43 @@ class SampleCache:
             table, keys = table[last], keys[last]
         words = table.view("<u4")
         if not len(self._keys):
-            kept, lagging, idle = (np.zeros(len(keys), dtype=bool) for _ in range(3))
+            kept, lagging, refresh, idle = (np.zeros(len(keys), dtype=bool) for _ in range(4))
             observed = np.full(len(keys), now_ns, dtype=np.int64)
             samples = np.full(len(keys), None, dtype=object)
+            admitted, settled = samples.copy(), idle.copy()
         else:
             previous, matched = self._match(keys)
-            kept, lagging = self._kept(words, previous, matched, now_ns)
+            kept, lagging, refresh = self._kept(words, previous, matched, now_ns)
             observed = np.where(kept, self._observed[previous], now_ns)
-            idle = np.where(kept, self._idle[previous], False)
+            idle = np.where(kept | refresh, self._idle[previous], False)
             samples = self._samples[previous].copy()  # the rows not kept are made below
+            admitted = self._admitted[previous].copy()
+            settled = kept & self._settled[previous]
+            if refresh.any():
+                refresh_flows(samples, np.flatnonzero(refresh), table, now_ns)
         view, size = table.reshape(-1).data, RECORD.size
-        for index in np.flatnonzero(~kept).tolist():
+        for index in np.flatnonzero(~(kept | refresh)).tolist():
             raw = view[index * size : (index + 1) * size]
             sample = sample_from_raw(raw, now_ns, self._endpoints)
             samples[index] = sample
             idle[index] = idle_and_healthy(sample)
+        self._admit(samples, admitted, settled)
         self._keys, self._words, self._observed = keys, words, observed
         self._idle, self._lagging, self._samples = idle, lagging, samples
-        return samples.tolist()
+        self._admitted, self._settled = admitted, settled
+        return admitted.tolist()
+
+    def _admit(self, samples: np.ndarray, admitted: np.ndarray, settled: np.ndarray) -> None:
+        """Passes the door every row not `settled` (new, or its answer may have moved), in
+        place; without a door, a sample is as it was made."""
+        door = self.door
+        if door is None:
+            admitted[~settled] = samples[~settled]
+            settled[:] = True
+            return
+        for index in np.flatnonzero(~settled).tolist():
+            sample = samples[index]
+            admitted[index], settled[index] = door.admit(sample), door.settled(sample)
 
     def _match(self, keys: np.ndarray) -> tuple[np.ndarray | slice, np.ndarray | bool]:
         """For each key, its row in the previous table (not empty; any row where it had
@@ -330,10 +418,11 @@ class SampleCache:
         previous: np.ndarray | slice,
         matched: np.ndarray | bool,
         now_ns: int,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Which rows keep their previous sample, and which of those lag their record: the
-        record is unchanged and its sample not lagging past FLOW_REFRESH_NS, or only its flow
-        moved on a socket idle and healthy at its sample and with nothing pending now."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Which rows keep their previous sample, which of those lag their record, and which
+        are refreshed: kept where the record is unchanged and its sample not lagging past
+        FLOW_REFRESH_NS, or only its flow moved on a socket idle and healthy at its sample and
+        with nothing pending now; refreshed where only the age of its sample stops that."""
         differs = words != self._words[previous]
         unchanged = ~differs.any(axis=1)
         judged_unchanged = ~differs[:, :JUDGED_WORDS].any(axis=1)
@@ -348,4 +437,9 @@ class SampleCache:
             & nothing_pending & no_shortfall
         )  # fmt: skip
         lagging = kept_flow | (kept_unchanged & was_lagging)
-        return kept_unchanged | kept_flow, lagging
+        kept = kept_unchanged | kept_flow
+        refresh = (
+            matched & ~kept & judged_unchanged & self._idle[previous]
+            & nothing_pending & no_shortfall
+        )  # fmt: skip
+        return kept, lagging, refresh

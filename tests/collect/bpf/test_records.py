@@ -195,6 +195,40 @@ def test_a_table_read_of_many_records() -> None:
     ]
 
 
+class OwnerDoor:
+    """A door that names each sample's owner, as the collectors' door does (the owner is
+    settled once the record has one)."""
+
+    def __init__(self) -> None:
+        self.admitted: list[int] = []
+
+    def admit(self, sample: SocketSample) -> SocketSample:
+        self.admitted.append(sample.key)
+        return sample.with_changes(comm=f"{sample.comm} (admitted)")
+
+    def settled(self, sample: SocketSample) -> bool:
+        return sample.pid != 0
+
+
+def test_a_kept_sample_passes_the_door_once() -> None:
+    """A sample the cache keeps is the very object the door admitted; one whose door answer
+    may move (no owner yet) passes again at every read; a new sample passes once."""
+    door = OwnerDoor()
+    cache, record = SampleCache(door), healthy_idle()
+    first = read(cache, record, SECOND_NS)
+    assert first.comm == "engine (admitted)"
+    assert read(cache, record, 2 * SECOND_NS) is first
+    record.bytes_acked += 100  # a flow on an idle socket: kept, then refreshed
+    assert read(cache, record, 3 * SECOND_NS) is first
+    refreshed = read(cache, record, SECOND_NS + FLOW_REFRESH_NS)
+    assert (refreshed.bytes_acked, refreshed.comm) == (100, "engine (admitted)")
+    assert len(door.admitted) == 2
+    record.tgid = 0  # no owner: the door looks at every read
+    for second in (7, 8, 9):
+        read(cache, record, second * SECOND_NS)
+    assert len(door.admitted) == 5
+
+
 class OneByOne:
     """The cache's rule, record by record (the module's docstring, written out): what a
     vectorised read of the whole table must decide for each record."""
@@ -276,9 +310,12 @@ def test_a_vectorised_read_decides_as_record_by_record() -> None:
             samples = cache.update(b"".join(bytes(r) for r in unique), now_ns)
             expected = rule.made_again(unique, now_ns)
             assert [s.key for s in samples] == list(expected)
+            raw = {r.sk: bytes(r) for r in unique}
             for sample in samples:
                 assert (sample is not last.get(sample.key)) == expected[sample.key]
                 assert expected[sample.key] == (sample.observed_ns == now_ns)
+                if expected[sample.key]:  # made whole, or its flow refreshed: the same sample
+                    assert sample == sample_from_raw(raw[sample.key], now_ns)
             last = {s.key: s for s in samples}
 
 

@@ -82,8 +82,8 @@ async def scans(tmp_path: Path) -> tuple[dict[str, int], list[tuple[bool, bool]]
             client.setblocking(False)
             accepted.setblocking(False)
             pairs.append((accepted, client))
-        *healthy, (_, stopped) = pairs
-        stopped_port = stopped.getsockname()[1]
+        *healthy, (_, stopped_reader) = pairs
+        stopped_port = stopped_reader.getsockname()[1]
         readers = Readers([client for _, client in healthy])
         readers.start()
         before = dict(daemon.scan_samples)

@@ -79,7 +79,8 @@ class BpfCollector:
         """Every tracked socket. A sample is made again only when its record changed in a
         way the judge reads (`SampleCache`: on an idle node almost never, and for a healthy
         stream idle between tokens at most every FLOW_REFRESH_NS), so a sample's
-        `observed_ns` is when it was made."""
+        `observed_ns` is when it was made; with a door on the cache (`MergedCollector`'s),
+        as the door admitted it."""
         created_before = read_stats(self.programs.stats_fd)["records_created"]
         records = self.programs.table.read_all()
         self._note_table(created_before, len(records) // RECORD.size)

@@ -91,7 +91,7 @@ def test_two_hundred_detached_streams_stay_within_the_buffer_caps(
         ]
         ids = [stream.request_id for stream in hook_server.backed_up(streams)]
         backing_up_seconds = time.monotonic() - started
-        app.pause = 0.2  # 20 KB/s a stream from now on: all are detached before a cap is hit
+        app.pause = 0.2  # 20 KB/s a stream from now on: detached before the total is met
         outcomes = [hook_server.command("detach", request_id) for request_id in ids]
         # One event loop (and one interpreter) serves them all: their pace, like backing up,
         # scales with their number and with the machine's load, which backing up measured
@@ -99,11 +99,25 @@ def test_two_hundred_detached_streams_stay_within_the_buffer_caps(
         many_seconds = max(
             WAIT_SECONDS + streams * BACKED_UP_SECONDS_PER_STREAM, 3 * backing_up_seconds
         )
-        wait_until(lambda: _coupled_again(hook_server), many_seconds, "every stream at a cap")
-        held_bytes, peak_bytes = budget.buffered_bytes, budget.peak_bytes
+        # Every stream coupled again once it met a cap, and the total's cap met: a stream
+        # whose buffer then drained into its socket reports itself not full any more (under
+        # load, 13 of 200 did), so "every one reported full" is not what to wait for.
+        wait_until(
+            lambda: (
+                budget.peak_bytes > total - pad - 1024
+                and not any(stream.detached for stream in hook_server.streams().values())
+            ),
+            many_seconds,
+            "every stream at a cap",
+        )
+        peak_bytes = budget.peak_bytes
         for client in clients:
             client.close()  # unread data: a reset
         wait_until(lambda: budget.buffered_bytes == 0, many_seconds, "every buffer dropped")
-    assert [outcome.status for outcome in outcomes] == ["detached"] * streams
-    assert total - pad - 1024 < held_bytes <= peak_bytes <= total
+    # Detaches go one after another; under load the streams detached first can fill the
+    # total before the last are asked, and those are declined: no room for their output.
+    declined = [o for o in outcomes if o.status != "detached"]
+    assert all(o.status == "declined" and "no room" in o.detail for o in declined), declined
+    assert len(declined) < streams // 2
+    assert total - pad - 1024 < peak_bytes <= total
     assert all(app.outcomes[request_id] != "finished" for request_id in ids)

@@ -179,7 +179,10 @@ class Stack:
         """The current agent's audit log, optionally only the lines of one `kind`."""
         if not self.audit.exists():
             return []
-        entries = [json.loads(line) for line in self.audit.read_text().splitlines() if line]
+        text = self.audit.read_text()
+        # The agent may be writing a line as it is read: only whole lines are parsed.
+        whole = text[: text.rfind("\n") + 1]
+        entries = [json.loads(line) for line in whole.splitlines() if line]
         return [e for e in entries if kind is None or e["kind"] == kind]
 
     def cpu_seconds(self) -> dict[str, float]:

@@ -170,7 +170,7 @@ class Daemon:
         previous, self._samples = self._samples, {sample.key: sample for sample in samples}
         # A sample the collector kept from the last scan (the very object: its record moved
         # in no way the judge reads, see SampleCache) told the ledger and the runner all it
-        # can (docs/collector.md, "What a scan costs").
+        # can (docs/collector.md, "What a scan judges").
         news = [sample for sample in samples if previous.get(sample.key) is not sample]
         self.scan_samples["judged"] += len(news)
         self.scan_samples["kept"] += len(samples) - len(news)
